@@ -1,0 +1,309 @@
+"""Streaming checkpoint readers (sharded safetensors, GGUF) and an atomic sharded safetensors writer.
+
+Readers hand out one tensor at a time by role, so the pipeline holds about one decoder layer in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .archs import (
+    GGUF_GLOBAL_ROLES,
+    GGUF_LAYER_PREFIX,
+    GGUF_LAYER_ROLES,
+    HF_GLOBAL_ROLES,
+    HF_LAYER_PREFIX,
+    HF_LAYER_ROLES,
+    LINEAR_ROLES,
+    ArchSpec,
+    spec_for_gguf,
+    spec_for_hf,
+)
+
+
+class CheckpointError(ValueError):
+    """A source checkpoint is missing, truncated, corrupt or incomplete."""
+
+
+def _tensor_name(roles: dict, global_roles: dict, prefix: str, role: str, layer: int | None, part: str) -> str:
+    if layer is None:
+        return global_roles[role]
+    base = prefix.format(i=layer) + roles[role]
+    return f"{base}.{part}" if role in LINEAR_ROLES else base
+
+
+class SourceCheckpoint:
+    """Common interface: ``config`` (HF-style dict), ``spec``, ``get(role, layer, part)`` -> float64 tensor."""
+
+    config: dict[str, Any]
+    spec: ArchSpec
+    path: Path
+
+    def name_of(self, role: str, layer: int | None = None, part: str = "weight") -> str:
+        raise NotImplementedError
+
+    def has(self, role: str, layer: int | None = None, part: str = "weight") -> bool:
+        return self.name_of(role, layer, part) in self.tensor_names()
+
+    def tensor_names(self) -> set[str]:
+        raise NotImplementedError
+
+    def get(self, role: str, layer: int | None = None, part: str = "weight") -> torch.Tensor:
+        raise NotImplementedError
+
+    def tokenizer_kwargs(self) -> dict[str, Any] | None:
+        """Arguments for AutoTokenizer.from_pretrained, or None when the checkpoint carries no tokenizer."""
+        raise NotImplementedError
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.has("head")
+
+    def validate(self) -> None:
+        """Fail before writing anything if a tensor the obfuscation needs is absent."""
+        required = [("embed", None, "weight"), ("final_norm", None, "weight")]
+        for i in range(self.num_layers):
+            for role in ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down"):
+                required.append((role, i, "weight"))
+            if self.spec.qk_norm:
+                required += [("q_norm", i, "weight"), ("k_norm", i, "weight")]
+        names = self.tensor_names()
+        missing = [self.name_of(*r) for r in required if self.name_of(*r) not in names]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(
+                f"{self.path}: checkpoint is incomplete, missing tensor(s) {missing[:5]}{more}; "
+                "re-download or re-convert the checkpoint"
+            )
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsCheckpoint(SourceCheckpoint):
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{self.path}: no config.json; expected a Hugging Face checkpoint directory or a .gguf file")
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+        self.spec = spec_for_hf(self.config.get("architectures"))
+        index_path = self.path / "model.safetensors.index.json"
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index_path}: malformed index ({e})") from e
+        elif (self.path / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+        self._handles: dict[str, Any] = {}
+        shard_names = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        for shard in shard_names:
+            shard_path = self.path / shard
+            if not shard_path.is_file():
+                raise CheckpointError(f"{shard_path}: shard listed in the index is missing")
+            try:
+                self._handles[shard] = safe_open(str(shard_path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for truncated headers
+                raise CheckpointError(f"{shard_path}: cannot read safetensors shard ({e}); the file is corrupt or truncated") from e
+            self._check_shard_length(shard_path)
+        if weight_map is None:
+            weight_map = {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
+        else:
+            for name, shard in weight_map.items():
+                if name not in self._handles[shard].keys():
+                    raise CheckpointError(f"{self.path / shard}: index says it holds {name!r} but it does not")
+        self._weight_map = weight_map
+
+    @staticmethod
+    def _check_shard_length(shard_path: Path) -> None:
+        """safetensors maps lazily; a truncated data section would only fail at read time, so check now."""
+        with open(shard_path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        actual = shard_path.stat().st_size - 8 - header_len
+        if actual < end:
+            raise CheckpointError(f"{shard_path}: truncated ({actual} data bytes, header promises {end}); re-download it")
+
+    def name_of(self, role, layer=None, part="weight"):
+        return _tensor_name(HF_LAYER_ROLES, HF_GLOBAL_ROLES, HF_LAYER_PREFIX, role, layer, part)
+
+    def tensor_names(self):
+        return set(self._weight_map)
+
+    def get(self, role, layer=None, part="weight"):
+        name = self.name_of(role, layer, part)
+        shard = self._weight_map.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint index")
+        return self._handles[shard].get_tensor(name).to(torch.float64)
+
+    def tokenizer_kwargs(self):
+        has_tok = any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        return {"pretrained_model_name_or_path": str(self.path)} if has_tok else None
+
+
+def _unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's converter: it stores each head's rows as adjacent RoPE pairs; HF uses (i, i+d/2)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint(SourceCheckpoint):
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such file")
+        with open(self.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{self.path}: not a GGUF file (bad magic)")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot parse GGUF ({e}); the file is corrupt or truncated") from e
+        arch = bytes(self._reader.fields["general.architecture"].parts[-1]).decode()
+        self.spec = spec_for_gguf(arch)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        for t in self._reader.tensors:
+            if t.data.nbytes < t.n_bytes:
+                raise CheckpointError(f"{self.path}: tensor {t.name} is truncated; re-download the file")
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)
+        cfg = dict(parsed["config"])
+        cfg["architectures"] = [self.spec.hf_architectures[0]]
+        cfg["model_type"] = self.spec.name
+        cfg.setdefault("tie_word_embeddings", "output.weight" not in self._tensors)
+        if self.spec.name == "qwen2" and "blk.0.attn_q.bias" in self._tensors:
+            cfg["attention_bias"] = True
+        self.config = cfg
+        self.chat_template = parsed.get("tokenizer_config", {}).get("chat_template")
+
+    def name_of(self, role, layer=None, part="weight"):
+        return _tensor_name(GGUF_LAYER_ROLES, GGUF_GLOBAL_ROLES, GGUF_LAYER_PREFIX, role, layer, part)
+
+    def tensor_names(self):
+        return set(self._tensors)
+
+    def get(self, role, layer=None, part="weight"):
+        import gguf
+
+        name = self.name_of(role, layer, part)
+        t = self._tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the GGUF file")
+        w = gguf.dequantize(t.data, t.tensor_type)
+        if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
+            heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
+            w = _unpermute_llama_qk(w, heads)
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float64))
+
+    def tokenizer_kwargs(self):
+        return {"pretrained_model_name_or_path": str(self.path.parent), "gguf_file": self.path.name}
+
+
+def open_checkpoint(path: str | Path) -> SourceCheckpoint:
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.is_file():
+        return GGUFCheckpoint(p)
+    return SafetensorsCheckpoint(p)
+
+
+class ShardedWriter:
+    """Writes tensors into size-bounded safetensors shards plus model.safetensors.index.json.
+
+    Tensors are buffered only until the shard is full, so memory stays bounded by ``max_shard_bytes``.
+    """
+
+    def __init__(self, directory: Path, max_shard_bytes: int = 1 << 30):
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shard_files: list[str] = []
+        self._weight_map: dict[str, int] = {}
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._weight_map or name in self._buffer:
+            raise ValueError(f"tensor {name} written twice")
+        t = tensor.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = t
+        self._buffer_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._buffer:
+            return
+        idx = len(self._shard_files)
+        fname = f"model-{idx + 1:05d}.safetensors"
+        save_file(self._buffer, str(self.directory / fname), metadata={"format": "pt"})
+        for k in self._buffer:
+            self._weight_map[k] = idx
+        self._shard_files.append(fname)
+        self._buffer = {}
+        self._buffer_bytes = 0
+
+    def finish(self) -> None:
+        self._flush()
+        n = len(self._shard_files)
+        final_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for old, new in zip(self._shard_files, final_names):
+            os.replace(self.directory / old, self.directory / new)
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": {k: final_names[v] for k, v in sorted(self._weight_map.items())},
+        }
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+class AtomicOutputDir:
+    """A temporary sibling directory that replaces ``target`` only on success; removed on failure."""
+
+    def __init__(self, target: str | Path, overwrite: bool = False):
+        self.target = Path(target).resolve()
+        self.overwrite = overwrite
+        if self.target.exists() and not overwrite:
+            raise FileExistsError(f"{self.target} already exists; choose a new output path or pass --force")
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".partial", dir=self.target.parent))
+
+    def commit(self) -> None:
+        if self.target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".old", dir=self.target.parent))
+            os.replace(self.target, trash / "old")
+            os.replace(self.tmp, self.target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.target)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,0 +1,133 @@
+"""Obfuscation parameters and named presets.
+
+Every secret is derived from ``seed``; every knob below can be overridden from the API or the CLI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ObfuscationParams:
+    """Knobs of the AloePri obfuscation (paper notation in brackets).
+
+    alpha_e, alpha_h   embedding / head noise multipliers [alpha_e, alpha_h]; noise std = alpha * std(W)
+    lam                key-matrix coefficient [lambda]: B = U + lam * V (0 keeps B orthogonal)
+    h                  expansion size [h]: the hidden width becomes d + 2h (rounded up so heads divide it)
+    beta, gamma        RoPE block-permutation window and sampling sharpness [beta, gamma]; beta <= 1 disables
+    c_scale            energy of the null-space block C relative to E (the paper leaves it open; 0 = no C)
+    e_scale            multiplier on the paper's low-rank E (0 = no E; 1 = Algorithm 1 as written)
+    shared_c           one C for every residual writer (True) or a fresh C per writer (the paper's literal
+                       reading; it breaks RMSNorm on the attention-sink token, see docs/design.md)
+    kappa_mode         how the constant RMSNorm weight is chosen: "isotropic" (closed form for Gaussian x)
+                       or "embedding" (averaged over the model's own embedding rows)
+    qk_scale_range     H_qk entries are log-uniform in [1/r, r]
+    ffn_scale_range    H_ffn entries are log-uniform in [1/r, r]
+    head_permutation   sample tau_kv and tau_group (exact, always on unless disabled for debugging)
+    """
+
+    alpha_e: float = 0.0
+    alpha_h: float = 0.0
+    lam: float = 0.0
+    h: int = 128
+    beta: int = 1
+    gamma: float = 1e3
+    c_scale: float = 0.0
+    e_scale: float = 0.0
+    shared_c: bool = True
+    kappa_mode: str = "isotropic"
+    qk_scale_range: float = 2.0
+    ffn_scale_range: float = 2.0
+    head_permutation: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.alpha_e < 0 or self.alpha_h < 0:
+            problems.append("alpha_e and alpha_h must be >= 0")
+        if self.lam < 0:
+            problems.append("lam must be >= 0")
+        if self.h < 2 or self.h % 2:
+            problems.append(f"h must be an even integer >= 2 (got {self.h})")
+        if self.beta < 1:
+            problems.append("beta must be >= 1 (1 disables block permutation)")
+        if self.gamma <= 0:
+            problems.append("gamma must be > 0")
+        if self.c_scale < 0 or self.e_scale < 0:
+            problems.append("c_scale and e_scale must be >= 0")
+        if self.kappa_mode not in ("isotropic", "embedding"):
+            problems.append("kappa_mode must be 'isotropic' or 'embedding'")
+        if self.qk_scale_range < 1 or self.ffn_scale_range < 1:
+            problems.append("qk_scale_range and ffn_scale_range must be >= 1")
+        if problems:
+            raise ValueError("invalid obfuscation parameters: " + "; ".join(problems))
+
+    @property
+    def is_exact(self) -> bool:
+        """True when the obfuscated model reproduces plaintext logits up to float rounding."""
+        return (
+            self.alpha_e == 0
+            and self.alpha_h == 0
+            and self.lam == 0
+            and self.beta == 1
+            and self.c_scale == 0
+            and self.e_scale == 0
+        )
+
+    def replace(self, **overrides: Any) -> "ObfuscationParams":
+        unknown = set(overrides) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {sorted(unknown)}; known: {[f.name for f in fields(self)]}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ObfuscationParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {sorted(unknown)} in preset/key; known: {sorted(known)}")
+        return cls(**data)
+
+
+# `exact`: no noise, orthogonal B, no C/E energy, no block permutation. Logits match plaintext to float
+# rounding. It does NOT hide the vocabulary permutation from weight-matching attacks: with no noise the
+# permuted embedding is an isometric image of the public one and row-sorting recovers the permutation.
+EXACT = ObfuscationParams()
+
+# `paper`: the paper's Table "Privacy hyperparameter settings" (alpha_e=1.0, alpha_h=0.2, lambda=0.3, h=128,
+# beta=8, gamma=1e3) with Algorithm 1's E and a shared C of the same energy. Tuned for >= 8B models: it
+# destroys small models (see docs/accuracy-presets.md for measured numbers).
+PAPER = ObfuscationParams(alpha_e=1.0, alpha_h=0.2, lam=0.3, h=128, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0)
+
+# `default`: chosen by measurement on SmolLM2-135M (benchmarks/fidelity_presets.py, see docs/design.md):
+# the paper's mechanisms all on, with noise and lambda reduced to what a 135M model tolerates.
+DEFAULT = ObfuscationParams(alpha_e=0.2, alpha_h=0.1, lam=0.1, h=128, beta=4, gamma=1e3, c_scale=1.0, e_scale=1.0)
+
+PRESETS: dict[str, ObfuscationParams] = {"exact": EXACT, "default": DEFAULT, "paper": PAPER}
+
+PRESET_NOTES = {
+    "exact": "no noise: reproduces plaintext logits, but does NOT hide the vocabulary permutation "
+    "from weight matching (row-sorting the embedding recovers it)",
+    "default": "reduced noise for small models; protection not yet measured by the attack suite",
+    "paper": "the paper's parameters (tuned for >= 8B models; destroys accuracy of small models)",
+}
+
+
+def resolve_params(preset: str | None = None, preset_file: str | Path | None = None, **overrides: Any) -> ObfuscationParams:
+    """Preset name (or a JSON preset file written by a tuner) plus explicit overrides."""
+    if preset_file is not None:
+        data = json.loads(Path(preset_file).read_text())
+        base = ObfuscationParams.from_dict(data.get("params", data))
+    else:
+        name = preset or "default"
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        base = PRESETS[name]
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return base.replace(**overrides) if overrides else base

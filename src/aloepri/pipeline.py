@@ -1,0 +1,249 @@
+"""Offline obfuscation of a whole checkpoint, streamed layer by layer."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .archs import ArchSpec
+from .checkpoint import AtomicOutputDir, CheckpointError, ShardedWriter, SourceCheckpoint, open_checkpoint
+from .keyfile import KeyFile, check_key_outside, write_key
+from .params import ObfuscationParams
+from .secrets import ModelShape, SecretSampler
+from .transforms import obfuscate_attention, obfuscate_embedding, obfuscate_head, obfuscate_mlp
+
+MODEL_META_FILE = "aloepri_model.json"  # public metadata in the server directory: no secret inside
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class ObfuscationResult:
+    output_dir: Path
+    key_path: Path
+    fingerprint: str
+    hidden_size: int
+    h: int
+    seconds: float
+    bytes_written: int
+    flops: float
+
+
+def model_shape(cfg: dict[str, Any], spec: ArchSpec) -> ModelShape:
+    heads = int(cfg["num_attention_heads"])
+    d = int(cfg["hidden_size"])
+    rope = cfg.get("rope_parameters") or {}
+    rope_base = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return ModelShape(
+        d=d, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or d // heads),
+        intermediate_size=int(cfg["intermediate_size"]), rope_base=rope_base, qk_norm=spec.qk_norm,
+    )
+
+
+def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hidden: int, kappa_eps: float,
+                  has_qkv_bias: bool, dtype: torch.dtype, vocab_perm: np.ndarray) -> dict[str, Any]:
+    """config.json of the obfuscated model, built through the stock config class so it is sure to load."""
+    from transformers import AutoConfig
+
+    kw = {k: src_cfg[k] for k in spec.passthrough_config if k in src_cfg and src_cfg[k] is not None}
+    if "rope_parameters" not in kw and "rope_theta" in src_cfg:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": src_cfg["rope_theta"]}
+        kw.pop("rope_theta", None)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if kw.get(k) is not None:
+            kw[k] = _map_ids(kw[k], vocab_perm)
+    kw.update(
+        hidden_size=hidden, head_dim=shape.head_dim, tie_word_embeddings=False, rms_norm_eps=kappa_eps,
+        num_key_value_heads=shape.num_kv_heads,
+    )
+    if spec.output_model_type == "llama":
+        kw["attention_bias"] = has_qkv_bias
+        kw.setdefault("mlp_bias", False)
+    cfg = AutoConfig.for_model(spec.output_model_type, **kw)
+    d = cfg.to_dict()
+    d["architectures"] = [spec.output_architecture]
+    d["dtype"] = str(dtype).replace("torch.", "")
+    return d
+
+
+def _map_ids(ids: Any, perm: np.ndarray) -> Any:
+    if isinstance(ids, list):
+        return [int(perm[i]) for i in ids]
+    return int(perm[int(ids)])
+
+
+def _special_ids(src: SourceCheckpoint) -> dict[str, Any]:
+    cfg = src.config
+    out = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    gen = getattr(src, "path", None)
+    if gen is not None and Path(gen).is_dir() and (Path(gen) / "generation_config.json").is_file():
+        g = json.loads((Path(gen) / "generation_config.json").read_text())
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if g.get(k) is not None:
+                out[k] = g[k]
+    return out
+
+
+def fingerprint_update(hasher: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:
+    hasher.update(name.encode())
+    hasher.update(str(tensor.dtype).encode())
+    hasher.update(repr(tuple(tensor.shape)).encode())
+    hasher.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+FINGERPRINTED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def obfuscate(
+    src: str | Path,
+    out: str | Path,
+    key_out: str | Path,
+    params: ObfuscationParams,
+    seed: int,
+    dtype: str | None = None,
+    max_shard_bytes: int = 1 << 30,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ObfuscationResult:
+    """Obfuscate ``src`` (HF checkpoint directory or .gguf) into ``out`` (server artifact) and ``key_out``.
+
+    The output is written into a temporary sibling directory and renamed into place only when complete; the
+    key is written (mode 0600) only after the model is complete, and never inside ``out``.
+    """
+    t0 = time.perf_counter()
+    out, key_out = Path(out).resolve(), Path(key_out).resolve()
+    check_key_outside(key_out, out)
+    if key_out.exists() and not overwrite:
+        raise FileExistsError(f"{key_out} already exists; refusing to overwrite a key (pass --force)")
+    source = open_checkpoint(src)
+    source.validate()
+    spec, cfg = source.spec, source.config
+    shape = model_shape(cfg, spec)
+    if shape.head_dim % 2:
+        raise CheckpointError(f"head_dim {shape.head_dim} is odd; RoPE pairs need an even head_dim")
+    if dtype is None:
+        src_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        dtype = src_dtype if src_dtype in _DTYPES else "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    out_dtype = _DTYPES[dtype]
+
+    secrets = SecretSampler(seed, params, shape)
+    vocab_perm = secrets.vocab_permutation()
+    D = secrets.hidden_size
+    flops = 0.0
+    staging = AtomicOutputDir(out, overwrite=overwrite)
+    try:
+        writer = ShardedWriter(staging.tmp, max_shard_bytes)
+        fp = hashlib.sha256()
+        steps = tqdm(total=shape.num_layers + 2, desc="obfuscating", unit="block", disable=not progress)
+
+        embed = source.get("embed")
+        calib = None
+        if params.kappa_mode == "embedding":
+            idx = secrets.rng("kappa-calibration").choice(embed.shape[0], size=min(4096, embed.shape[0]), replace=False)
+            calib = embed[torch.from_numpy(np.sort(idx))].numpy()
+        kappa = secrets.kappa(calib)
+        norm_const = torch.full((D,), kappa, dtype=out_dtype)
+
+        e_obf = obfuscate_embedding(embed, vocab_perm, secrets.writer_P("embed"), params.alpha_e,
+                                    secrets.rng("noise", "embed"), out_dtype)
+        flops += 2.0 * embed.shape[0] * shape.d * D
+        fingerprint_update(fp, "model.embed_tokens.weight", e_obf)
+        writer.add("model.embed_tokens.weight", e_obf)
+        head_plain = embed if source.tied_embeddings else source.get("head")
+        del embed, e_obf
+        h_obf = obfuscate_head(head_plain, source.get("final_norm"), vocab_perm, secrets.reader_Q("head"),
+                               params.alpha_h, secrets.rng("noise", "head"), out_dtype)
+        flops += 2.0 * head_plain.shape[0] * shape.d * D
+        fingerprint_update(fp, "lm_head.weight", h_obf)
+        writer.add("lm_head.weight", h_obf)
+        writer.add("model.norm.weight", norm_const.clone())
+        del head_plain, h_obf
+        steps.update(2)
+
+        has_qkv_bias = source.has("q", 0, "bias")
+        for i in range(shape.num_layers):
+            flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, norm_const, has_qkv_bias, spec)
+            steps.update(1)
+        steps.close()
+        writer.finish()
+
+        fingerprint = fp.hexdigest()
+        out_cfg = output_config(cfg, spec, shape, D, float(cfg.get("rms_norm_eps", 1e-6)), has_qkv_bias,
+                                out_dtype, vocab_perm)
+        (staging.tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
+        special = _special_ids(source)
+        gen = {k: _map_ids(v, vocab_perm) for k, v in special.items()}
+        gen["_from_model_config"] = False
+        (staging.tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        meta = {"format": "aloepri-obfuscated-model", "version": 1, "model_fingerprint": fingerprint,
+                "fingerprint_tensors": list(FINGERPRINTED), "hidden_size": D, "source_architecture": spec.name}
+        (staging.tmp / MODEL_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+        key = KeyFile(
+            vocab_permutation=vocab_perm.tolist(), model_fingerprint=fingerprint, params=params.to_dict(),
+            seed=int(seed), h_effective=secrets.h, hidden_size=D, source=str(Path(src).resolve()),
+            architecture=spec.name, special_tokens=special, tokenizer=source.tokenizer_kwargs(),
+            chat_template=getattr(source, "chat_template", None),
+        )
+        write_key(key, key_out, overwrite=overwrite)
+        staging.commit()
+    except BaseException:
+        staging.abort()
+        raise
+    finally:
+        source.close()
+    return ObfuscationResult(out, key_out, fingerprint, D, secrets.h, time.perf_counter() - t0, writer.total_bytes, flops)
+
+
+def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: SecretSampler, i: int,
+                     shape: ModelShape, out_dtype: torch.dtype, norm_const: torch.Tensor, has_qkv_bias: bool,
+                     spec: ArchSpec) -> float:
+    prefix = f"model.layers.{i}."
+    attn_norm = source.get("attn_norm", i)
+    w = {r: source.get(r, i) for r in ("q", "k", "v", "o")}
+    for r in ("q", "k", "v", "o"):
+        if source.has(r, i, "bias"):
+            w[f"{r}_bias"] = source.get(r, i, "bias")
+    if spec.qk_norm:
+        w["q_norm"] = source.get("q_norm", i)
+        w["k_norm"] = source.get("k_norm", i)
+    attn = obfuscate_attention(
+        w, attn_norm, secrets.reader_Q("q", i), secrets.reader_Q("k", i), secrets.reader_Q("v", i),
+        secrets.writer_P("o", i), secrets.attention(i), shape.num_heads, shape.num_kv_heads, shape.head_dim,
+    )
+    if has_qkv_bias and spec.output_model_type == "llama" and "o_bias" not in attn:
+        # Llama's attention_bias switch also declares o_proj.bias; Qwen2 has none, so it is zero (and stays zero).
+        attn["o_bias"] = torch.zeros(attn["o"].shape[0], dtype=torch.float64)
+    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+    for key, tensor in attn.items():
+        if key in ("q_norm", "k_norm"):
+            name = f"self_attn.{key}.weight"
+        elif key.endswith("_bias"):
+            name = names[key[:-5]] + ".bias"
+        else:
+            name = names[key] + ".weight"
+        writer.add(prefix + name, tensor.to(out_dtype))
+    del w, attn
+    ffn_norm = source.get("ffn_norm", i)
+    perm, scale = secrets.mlp(i)
+    gate, up, down = obfuscate_mlp(
+        source.get("gate", i), source.get("up", i), source.get("down", i), ffn_norm,
+        secrets.reader_Q("gate", i), secrets.reader_Q("up", i), secrets.writer_P("down", i), perm, scale,
+    )
+    writer.add(prefix + "mlp.gate_proj.weight", gate.to(out_dtype))
+    writer.add(prefix + "mlp.up_proj.weight", up.to(out_dtype))
+    writer.add(prefix + "mlp.down_proj.weight", down.to(out_dtype))
+    writer.add(prefix + "input_layernorm.weight", norm_const.clone())
+    writer.add(prefix + "post_attention_layernorm.weight", norm_const.clone())
+    d, D, f = shape.d, secrets.hidden_size, shape.intermediate_size
+    qkv_out = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    return 2.0 * D * d * (qkv_out + 2 * f) + 2.0 * d * D * (shape.num_heads * shape.head_dim + f)

@@ -1,0 +1,122 @@
+"""Sampling of every secret of one obfuscation, each from its own labelled stream of the seed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import keymat
+from .params import ObfuscationParams
+from .transforms import AttentionSecrets, pair_permutation_matrix, rope_pair_rotation
+
+
+@dataclass
+class ModelShape:
+    d: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_base: float
+    qk_norm: bool
+
+
+def effective_h(d: int, h: int, num_heads: int) -> int:
+    """Smallest even h' >= h such that num_heads divides d + 2h' (transformers requires it, even with an
+    explicit head_dim)."""
+    hh = h
+    while (d + 2 * hh) % num_heads:
+        hh += 1
+    return hh if hh % 2 == 0 else effective_h(d, hh + 1, num_heads)
+
+
+class SecretSampler:
+    """All secrets of one (seed, params, shape). Calling a method twice returns the same secret."""
+
+    def __init__(self, seed: int, params: ObfuscationParams, shape: ModelShape):
+        self.seed, self.params, self.shape = int(seed), params, shape
+        self.h = effective_h(shape.d, params.h, shape.num_heads)
+        self.base = keymat.init_key_base(self.rng("base"), shape.d, self.h, params.lam, params.e_scale)
+        self._shared_P = keymat.key_matrix(self.base, keymat.sample_C(self.rng("C", "shared"), self.base, params.c_scale))
+
+    def rng(self, *labels: object) -> np.random.Generator:
+        return keymat.derive_rng(self.seed, *labels)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.shape.d + 2 * self.h
+
+    def vocab_permutation(self) -> np.ndarray:
+        return keymat.random_permutation(self.rng("vocab"), self.shape.vocab_size)
+
+    def writer_P(self, *labels: object) -> np.ndarray:
+        if self.params.shared_c:
+            return self._shared_P
+        return keymat.key_matrix(self.base, keymat.sample_C(self.rng("C", *labels), self.base, self.params.c_scale))
+
+    def reader_Q(self, *labels: object) -> np.ndarray:
+        return keymat.inverse_key_matrix(self.base, keymat.sample_D(self.rng("D", *labels), self.base))
+
+    def kappa(self, calibration_rows: np.ndarray | None = None) -> float:
+        """Constant RMSNorm weight: kappa = sqrt(d/D) * E||xP|| / ||x||.
+
+        'isotropic': x ~ N(0, I) gives E||xP||^2/||x||^2 = ||P||_F^2 / d. 'embedding': the mean ratio over the
+        model's own embedding rows (real, anisotropic vectors). With C = E = 0 and lambda = 0 both equal 1.
+        """
+        P = self._shared_P
+        d, D = self.shape.d, self.hidden_size
+        if self.params.kappa_mode == "embedding" and calibration_rows is not None:
+            x = calibration_rows
+            ratio = float(np.mean(np.linalg.norm(x @ P, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-12)))
+        else:
+            ratio = float(np.sqrt((P * P).sum() / d))
+        return float(np.sqrt(d / D) * ratio)
+
+    def attention(self, layer: int) -> AttentionSecrets:
+        s, p = self.shape, self.params
+        G = s.num_heads // s.num_kv_heads
+        half = s.head_dim // 2
+        rng = self.rng("attn", layer)
+        if p.head_permutation:
+            kv_order = rng.permutation(s.num_kv_heads)
+            group_orders = [rng.permutation(G) for _ in range(s.num_kv_heads)]
+        else:
+            kv_order = np.arange(s.num_kv_heads)
+            group_orders = [np.arange(G) for _ in range(s.num_kv_heads)]
+
+        def block_order() -> np.ndarray:
+            return keymat.block_permutation(rng, half, p.beta, p.gamma, s.rope_base)
+
+        q_maps, k_maps, vo_mix = [], [], []
+        if s.qk_norm:
+            # The per-head q/k RMSNorm weight is shared by all heads and sits between the projection and RoPE:
+            # only maps commuting with an elementwise weight survive. Sign flips of a pair (rotation by pi) do;
+            # H_qk and the block permutation move into the (shared) norm weights.
+            order = block_order()
+            Zb = pair_permutation_matrix(order)
+            scales = keymat.log_uniform(rng, half, p.qk_scale_range)
+            for g in range(s.num_kv_heads):
+                R = rope_pair_rotation(np.pi * rng.integers(0, 2, half))
+                q_maps.append(R @ Zb)
+                k_maps.append(R @ Zb)
+            full = np.concatenate([scales, scales])
+            extra = dict(q_norm_scale=full, k_norm_scale=1.0 / full, norm_order=order)
+        else:
+            extra = {}
+            for g in range(s.num_kv_heads):
+                R = rope_pair_rotation(rng.uniform(0.0, 2 * np.pi, half))
+                sc = np.concatenate([keymat.log_uniform(rng, half, p.qk_scale_range)] * 2)
+                Zb = pair_permutation_matrix(block_order())
+                q_maps.append(R @ np.diag(sc) @ Zb)
+                k_maps.append(R @ np.diag(1.0 / sc) @ Zb)
+        for g in range(s.num_kv_heads):
+            vo_mix.append(rng.normal(0.0, 1.0 / np.sqrt(s.head_dim), (s.head_dim, s.head_dim)))
+        return AttentionSecrets(kv_order, group_orders, q_maps, k_maps, vo_mix, **extra)
+
+    def mlp(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = self.rng("mlp", layer)
+        perm = rng.permutation(self.shape.intermediate_size)
+        scale = keymat.log_uniform(rng, self.shape.intermediate_size, self.params.ffn_scale_range)
+        return perm, scale

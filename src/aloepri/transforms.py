@@ -1,0 +1,215 @@
+"""Covariant weight transforms, named by the role of the weight. Pure tensor-in/tensor-out, float64.
+
+Layout: weights are in the Hugging Face ``nn.Linear`` layout (out_features, in_features), ``y = x W^T + b``.
+Hidden states are row vectors; the obfuscated residual stream is ``x @ P`` (P: d x D, D = d + 2h) and a
+reader recovers ``x`` with ``Q`` (D x d), ``P @ Q = I``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+
+
+def _t(a: np.ndarray | Tensor) -> Tensor:
+    return a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+
+
+# --- residual-stream readers and writers ---------------------------------------------------------------
+
+
+def transform_reader_input(weight: Tensor, norm_weight: Tensor | None, Q: np.ndarray) -> Tensor:
+    """A linear layer that reads the (normalised) residual stream: fuse the RMSNorm weight, then undo P.
+
+    Math: W~ = Q diag(w) W  ->  HF layout (out, D) = W_hf diag(w) Q^T.
+    """
+    w = weight if norm_weight is None else weight * norm_weight[None, :]
+    return w @ _t(Q).T
+
+
+def transform_writer_output(weight: Tensor, P: np.ndarray) -> Tensor:
+    """A linear layer that writes into the residual stream: W~ = W P  ->  HF layout (D, in) = P^T W_hf."""
+    return _t(P).T @ weight
+
+
+def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
+    return bias @ _t(P)
+
+
+# --- embedding and head --------------------------------------------------------------------------------
+
+
+def obfuscate_embedding(
+    weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float, rng: np.random.Generator,
+    out_dtype: torch.dtype, chunk_rows: int = 8192,
+) -> Tensor:
+    """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i.
+
+    Noise and the product are computed in float64 chunk by chunk (bounded memory), cast to ``out_dtype``.
+    """
+    n = weight.shape[0]
+    sigma = float(weight.std())
+    Pt = _t(P)
+    plain_rows = np.argsort(vocab_perm)  # obfuscated row j holds plain token plain_rows[j]
+    out = torch.empty((n, Pt.shape[1]), dtype=out_dtype)
+    for start in range(0, n, chunk_rows):
+        stop = min(n, start + chunk_rows)
+        rows = weight[torch.from_numpy(plain_rows[start:stop])].to(torch.float64)
+        if alpha > 0:
+            rows = rows + alpha * sigma * torch.from_numpy(rng.standard_normal(rows.shape))
+        out[start:stop] = (rows @ Pt).to(out_dtype)
+    return out
+
+
+def obfuscate_head(
+    weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
+    rng: np.random.Generator, out_dtype: torch.dtype, chunk_rows: int = 8192,
+) -> Tensor:
+    """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T; HF layout (n, D), row vocab_perm[i] = plain token i."""
+    n = weight.shape[0]
+    sigma = float(weight.std())
+    Qt = _t(Q).T
+    plain_rows = np.argsort(vocab_perm)
+    out = torch.empty((n, Qt.shape[1]), dtype=out_dtype)
+    for start in range(0, n, chunk_rows):
+        stop = min(n, start + chunk_rows)
+        rows = weight[torch.from_numpy(plain_rows[start:stop])].to(torch.float64)
+        if alpha > 0:
+            rows = rows + alpha * sigma * torch.from_numpy(rng.standard_normal(rows.shape))
+        out[start:stop] = ((rows * norm_weight[None, :]) @ Qt).to(out_dtype)
+    return out
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionSecrets:
+    """Secrets of one attention layer.
+
+    kv_order[s]      old kv head placed in new kv slot s (tau_kv)
+    group_orders[s]  order of the q heads inside new group s (tau_group, one per group)
+    qk_maps[g]       (dh x dh) maps applied to q and k columns of old kv group g: R H Zb and R H^-1 Zb
+    vo_mix[g]        (dh x dh) invertible U_vo of old kv group g
+    q_norm_scale / k_norm_scale / norm_order: for per-head q/k RMSNorm (Qwen3): H and Zb move into the norm
+                     weights (shared by all heads), the projections only get R (sign flips) and Zb
+    """
+
+    kv_order: np.ndarray
+    group_orders: list[np.ndarray]
+    q_maps: list[np.ndarray]
+    k_maps: list[np.ndarray]
+    vo_mix: list[np.ndarray]
+    q_norm_scale: np.ndarray | None = None
+    k_norm_scale: np.ndarray | None = None
+    norm_order: np.ndarray | None = None
+
+    def q_head_sources(self) -> list[tuple[int, int]]:
+        """(old q head, old kv group) for every new q head slot, in order."""
+        G = len(self.group_orders[0])
+        out = []
+        for s, g in enumerate(self.kv_order):
+            for j in self.group_orders[s]:
+                out.append((int(g) * G + int(j), int(g)))
+        return out
+
+
+def rope_pair_rotation(angles: np.ndarray) -> np.ndarray:
+    """Block rotation acting on the RoPE pairs as Hugging Face pairs them: dims (i, i + dh/2).
+
+    Each 2x2 block is in SO(2), so it commutes with RoPE's own rotation of that pair, and applying the same
+    rotation to q and k leaves q.k unchanged.
+    """
+    half = len(angles)
+    R = np.zeros((2 * half, 2 * half))
+    c, s = np.cos(angles), np.sin(angles)
+    i = np.arange(half)
+    R[i, i] = c
+    R[i, i + half] = s
+    R[i + half, i] = -s
+    R[i + half, i + half] = c
+    return R
+
+
+def pair_permutation_matrix(order: np.ndarray) -> np.ndarray:
+    """Permutation of RoPE pairs in HF layout: new pair j takes old pair order[j] (both of its dims)."""
+    half = len(order)
+    idx = np.concatenate([order, order + half])
+    M = np.zeros((2 * half, 2 * half))
+    M[idx, np.arange(2 * half)] = 1.0
+    return M
+
+
+def obfuscate_attention(
+    w: dict[str, Tensor],
+    norm_weight: Tensor,
+    Q_q: np.ndarray, Q_k: np.ndarray, Q_v: np.ndarray, P_o: np.ndarray,
+    secrets: AttentionSecrets,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> dict[str, Tensor]:
+    """Intra-head transforms (Algorithm 2) and inter-head permutation of one attention layer.
+
+    ``w`` holds q/k/v/o weights (HF layout) and optional q/k/v/o biases and q_norm/k_norm weights.
+    Returns the same keys, obfuscated.
+    """
+    G = num_heads // num_kv_heads
+    dh = head_dim
+    out: dict[str, Tensor] = {}
+    sources = secrets.q_head_sources()
+
+    def heads(t: Tensor, n: int) -> Tensor:  # (n*dh, ...) -> (n, dh, ...)
+        return t.reshape(n, dh, *t.shape[1:])
+
+    # Output-side maps M act on columns in math layout (x W M), i.e. rows in HF layout: rows -> M^T rows.
+    q_w = heads(transform_reader_input(w["q"], norm_weight, Q_q), num_heads)
+    k_w = heads(transform_reader_input(w["k"], norm_weight, Q_k), num_kv_heads)
+    v_w = heads(transform_reader_input(w["v"], norm_weight, Q_v), num_kv_heads)
+    out["q"] = torch.cat([_t(secrets.q_maps[g]).T @ q_w[i] for i, g in sources])
+    out["k"] = torch.cat([_t(secrets.k_maps[g]).T @ k_w[g] for g in secrets.kv_order])
+    out["v"] = torch.cat([_t(secrets.vo_mix[g]).T @ v_w[g] for g in secrets.kv_order])
+    if "q_bias" in w:
+        qb = heads(w["q_bias"], num_heads)
+        out["q_bias"] = torch.cat([qb[i] @ _t(secrets.q_maps[g]) for i, g in sources])
+    if "k_bias" in w:
+        kb = heads(w["k_bias"], num_kv_heads)
+        out["k_bias"] = torch.cat([kb[g] @ _t(secrets.k_maps[g]) for g in secrets.kv_order])
+    if "v_bias" in w:
+        vb = heads(w["v_bias"], num_kv_heads)
+        out["v_bias"] = torch.cat([vb[g] @ _t(secrets.vo_mix[g]) for g in secrets.kv_order])
+
+    # o_proj: math rows of head i get U_vo^-1 of its kv group; then the writer's P on the output side.
+    o_math = heads(w["o"].T, num_heads)  # (m, dh, d)
+    o_rows = torch.cat([_t(np.linalg.inv(secrets.vo_mix[g])) @ o_math[i] for i, g in sources])
+    out["o"] = (o_rows @ _t(P_o)).T.contiguous()
+    if "o_bias" in w:
+        out["o_bias"] = transform_writer_bias(w["o_bias"], P_o)
+
+    if "q_norm" in w:
+        order = np.concatenate([secrets.norm_order, secrets.norm_order + dh // 2])
+        out["q_norm"] = (w["q_norm"] * _t(secrets.q_norm_scale))[torch.from_numpy(order)]
+        out["k_norm"] = (w["k_norm"] * _t(secrets.k_norm_scale))[torch.from_numpy(order)]
+    return out
+
+
+# --- feed-forward --------------------------------------------------------------------------------------
+
+
+def obfuscate_mlp(
+    gate: Tensor, up: Tensor, down: Tensor, norm_weight: Tensor,
+    Q_gate: np.ndarray, Q_up: np.ndarray, P_down: np.ndarray,
+    ffn_perm: np.ndarray, ffn_scale: np.ndarray,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """W~_gate = Q diag(w) W_gate Z, W~_up = Q diag(w) W_up H Z, W~_down = Z^T H^-1 W_down P.
+
+    SiLU acts elementwise, so a permutation Z commutes with it; H scales only the up branch, which enters
+    the Hadamard product linearly.
+    """
+    perm = torch.from_numpy(ffn_perm)
+    scale = _t(ffn_scale)
+    g = transform_reader_input(gate, norm_weight, Q_gate)[perm]
+    u = (transform_reader_input(up, norm_weight, Q_up) * scale[:, None])[perm]
+    d = transform_writer_output(down / scale[None, :], P_down)[:, perm]
+    return g, u, d
