@@ -94,7 +94,9 @@ class KeyFile:
         if d.get("version") != KEY_VERSION:
             raise KeyFileError(f"{origin}: key version {d.get('version')} is not supported (this aloepri reads {KEY_VERSION})")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = [n for n in ("vocab_permutation", "model_fingerprint", "params", "seed") if n not in d]
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in d]
         if missing:
             raise KeyFileError(f"{origin}: key file lacks {missing}")
         return cls(**{k: v for k, v in d.items() if k in names})

