@@ -42,45 +42,37 @@ def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
 # --- embedding and head --------------------------------------------------------------------------------
 
 
-def obfuscate_embedding(
-    weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float, rng: np.random.Generator,
-    out_dtype: torch.dtype, chunk_rows: int = 8192,
+def _permute_noise_project(
+    weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float, rng: np.random.Generator,
+    out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192,
 ) -> Tensor:
-    """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i.
-
-    Noise and the product are computed in float64 chunk by chunk (bounded memory), cast to ``out_dtype``.
-    """
+    """Rows of a vocabulary matrix (n, d): permute, add alpha*std(W) Gaussian noise, scale columns, multiply
+    by ``right`` (d, D). Float64 chunk by chunk, so memory stays bounded by the input and output."""
     n = weight.shape[0]
     sigma = float(weight.std())
-    Pt = _t(P)
     plain_rows = np.argsort(vocab_perm)  # obfuscated row j holds plain token plain_rows[j]
-    out = torch.empty((n, Pt.shape[1]), dtype=out_dtype)
+    out = torch.empty((n, right.shape[1]), dtype=out_dtype)
     for start in range(0, n, chunk_rows):
         stop = min(n, start + chunk_rows)
         rows = weight[torch.from_numpy(plain_rows[start:stop])].to(torch.float64)
         if alpha > 0:
             rows = rows + alpha * sigma * torch.from_numpy(rng.standard_normal(rows.shape))
-        out[start:stop] = (rows @ Pt).to(out_dtype)
+        if column_scale is not None:
+            rows = rows * column_scale[None, :]
+        out[start:stop] = (rows @ right).to(out_dtype)
     return out
 
 
-def obfuscate_head(
-    weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
-    rng: np.random.Generator, out_dtype: torch.dtype, chunk_rows: int = 8192,
-) -> Tensor:
+def obfuscate_embedding(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,
+                        rng: np.random.Generator, out_dtype: torch.dtype) -> Tensor:
+    """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i."""
+    return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype)
+
+
+def obfuscate_head(weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
+                   rng: np.random.Generator, out_dtype: torch.dtype) -> Tensor:
     """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T; HF layout (n, D), row vocab_perm[i] = plain token i."""
-    n = weight.shape[0]
-    sigma = float(weight.std())
-    Qt = _t(Q).T
-    plain_rows = np.argsort(vocab_perm)
-    out = torch.empty((n, Qt.shape[1]), dtype=out_dtype)
-    for start in range(0, n, chunk_rows):
-        stop = min(n, start + chunk_rows)
-        rows = weight[torch.from_numpy(plain_rows[start:stop])].to(torch.float64)
-        if alpha > 0:
-            rows = rows + alpha * sigma * torch.from_numpy(rng.standard_normal(rows.shape))
-        out[start:stop] = ((rows * norm_weight[None, :]) @ Qt).to(out_dtype)
-    return out
+    return _permute_noise_project(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight)
 
 
 # --- attention -----------------------------------------------------------------------------------------
