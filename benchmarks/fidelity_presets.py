@@ -41,6 +41,14 @@ CONFIGS = {
     "lam=0.3,kappa=embedding": ("exact", {"lam": 0.3, "kappa_mode": "embedding"}),
     "paper,kappa=embedding": ("paper", {"kappa_mode": "embedding"}),
     "paper,fresh C": ("paper", {"shared_c": False}),
+    # candidates for the small-model default: every mechanism on, noise reduced
+    "cand ae=0.1 ah=0.05": ("paper", {"alpha_e": 0.1, "alpha_h": 0.05, "lam": 0.1, "beta": 8}),
+    "cand ae=0.2 ah=0.05": ("paper", {"alpha_e": 0.2, "alpha_h": 0.05, "lam": 0.1, "beta": 8}),
+    "cand ae=0.1 ah=0.1": ("paper", {"alpha_e": 0.1, "alpha_h": 0.1, "lam": 0.1, "beta": 8}),
+    # low-precision serving: the server stores bfloat16 weights (the obfuscated model, and the plain model
+    # reference in fp32); the paper's Gaussian U_vo amplifies the rounding, the conditioned one does not
+    "exact,bf16": ("exact", {"dtype": "bfloat16"}),
+    "exact,bf16,gaussian U_vo": ("exact", {"dtype": "bfloat16", "vo_mixing": "gaussian"}),
 }
 
 
@@ -66,16 +74,19 @@ def main() -> None:
                 print(f"skip {name} (done)")
                 continue
             preset, overrides = CONFIGS[name]
+            overrides = dict(overrides)
+            dtype = overrides.pop("dtype", "float32")
             params = resolve_params(preset, **overrides)
             t = time.perf_counter()
-            res = obfuscate(src, work / "m", work / "k.json", params, seed=a.seed, overwrite=True, progress=False)
+            res = obfuscate(src, work / "m", work / "k.json", params, seed=a.seed, overwrite=True, progress=False,
+                            dtype=dtype)
             t_obf = time.perf_counter() - t
             key = load_key(work / "k.json")
             tok = load_tokenizer(key, src)
-            obf = AutoModelForCausalLM.from_pretrained(work / "m", dtype=torch.float32).eval()
+            obf = AutoModelForCausalLM.from_pretrained(work / "m", dtype=getattr(torch, dtype)).eval()
             fid = compare(plain, obf, key, builtin_prompt_ids(tok, key.vocab_size, a.prompts), a.greedy_tokens)
             row = {**fid.to_dict(), "params": params.to_dict(), "h_effective": res.h, "obfuscate_seconds": round(t_obf, 1),
-                   "seed": a.seed, "dtype": "float32"}
+                   "seed": a.seed, "dtype": dtype}
             results["runs"][name] = row
             print(f"{name:32s} top1={fid.top1_agreement:.3f} KL={fid.mean_kl:.4f} maxerr={fid.max_logit_error:.3g} "
                   f"greedy={fid.greedy_match_rate:.2f}", flush=True)

@@ -91,3 +91,17 @@ def test_effective_h_makes_heads_divide():
     for d, h, m in [(576, 128, 9), (896, 128, 14), (48, 5 * 2, 6), (4096, 128, 32)]:
         hh = effective_h(d, h, m)
         assert hh >= h and hh % 2 == 0 and (d + 2 * hh) % m == 0
+
+
+def test_conditioned_vo_mixing_is_well_conditioned():
+    """The paper's Gaussian U_vo has condition numbers in the hundreds to thousands (they amplify fp16 rounding
+    of v/o); the default draws it as O1 diag(s) O2 with s in [1/2, 2], so cond <= 4."""
+    from aloepri.params import ObfuscationParams
+    from aloepri.secrets import ModelShape, SecretSampler
+
+    shape = ModelShape(d=64, vocab_size=10, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=32, rope_base=1e4, qk_norm=False)
+    good = SecretSampler(1, ObfuscationParams(h=8), shape).attention(0).vo_mix
+    paper = SecretSampler(1, ObfuscationParams(h=8, vo_mixing="gaussian"), shape).attention(0).vo_mix
+    assert max(np.linalg.cond(u) for u in good) <= 4.0 + 1e-9
+    assert max(np.linalg.cond(u) for u in paper) > 10.0

@@ -8,7 +8,7 @@ from .pipeline import ObfuscationResult, obfuscate
 __all__ = [
     "CheckpointError", "KeyFile", "KeyFileError", "KeyMismatchError", "ObfuscationParams", "ObfuscationResult",
     "PRESETS", "UnsupportedArchitectureError", "check_key_matches", "load_key", "obfuscate", "resolve_params",
-    "supported_architectures", "PrivateModel",
+    "supported_architectures", "PrivateModel", "Client", "AsyncClient",
 ]
 
 
@@ -17,4 +17,8 @@ def __getattr__(name):  # lazy: the inference client pulls in transformers' mode
         from .inference import PrivateModel
 
         return PrivateModel
+    if name in ("Client", "AsyncClient"):  # the serving client SDK (aloepri.client)
+        from . import client
+
+        return getattr(client, name)
     raise AttributeError(name)

@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where to keep the artifacts (default: a temporary directory)")
     p.add_argument("--compare", action="store_true", help="also print the plaintext model's answer")
     p.set_defaults(func=cmd_demo)
+    from .gguf_export import add_export_commands; add_export_commands(sub)  # noqa: E702  (export-gguf)
+    from .serving_cli import add_serving_commands; add_serving_commands(sub)  # noqa: E702  (serve-local, proxy, chat)
     return ap
 
 

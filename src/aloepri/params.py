@@ -27,6 +27,10 @@ class ObfuscationParams:
                        or "embedding" (averaged over the model's own embedding rows)
     qk_scale_range     H_qk entries are log-uniform in [1/r, r]
     ffn_scale_range    H_ffn entries are log-uniform in [1/r, r]
+    vo_mixing          U_vo per kv group: "conditioned" (orthogonal x log-uniform diagonal x orthogonal, condition
+                       number <= vo_scale_range^2) or "gaussian" (the paper's N(0, 1/d_head): condition numbers in
+                       the thousands, which breaks fp16/bf16/8-bit serving, see docs/design.md)
+    vo_scale_range     singular values of a conditioned U_vo are log-uniform in [1/r, r]
     head_permutation   sample tau_kv and tau_group (exact, always on unless disabled for debugging)
     """
 
@@ -42,6 +46,8 @@ class ObfuscationParams:
     kappa_mode: str = "isotropic"
     qk_scale_range: float = 2.0
     ffn_scale_range: float = 2.0
+    vo_mixing: str = "conditioned"
+    vo_scale_range: float = 2.0
     head_permutation: bool = True
 
     def __post_init__(self) -> None:
@@ -60,8 +66,10 @@ class ObfuscationParams:
             problems.append("c_scale and e_scale must be >= 0")
         if self.kappa_mode not in ("isotropic", "embedding"):
             problems.append("kappa_mode must be 'isotropic' or 'embedding'")
-        if self.qk_scale_range < 1 or self.ffn_scale_range < 1:
-            problems.append("qk_scale_range and ffn_scale_range must be >= 1")
+        if self.qk_scale_range < 1 or self.ffn_scale_range < 1 or self.vo_scale_range < 1:
+            problems.append("qk_scale_range, ffn_scale_range and vo_scale_range must be >= 1")
+        if self.vo_mixing not in ("conditioned", "gaussian"):
+            problems.append("vo_mixing must be 'conditioned' or 'gaussian'")
         if problems:
             raise ValueError("invalid obfuscation parameters: " + "; ".join(problems))
 
@@ -102,7 +110,7 @@ EXACT = ObfuscationParams()
 
 # `paper`: the paper's Table "Privacy hyperparameter settings" (alpha_e=1.0, alpha_h=0.2, lambda=0.3, h=128,
 # beta=8, gamma=1e3) with Algorithm 1's E and a shared C of the same energy. Tuned for >= 8B models: it
-# destroys small models (see docs/accuracy-presets.md for measured numbers).
+# destroys small models (measured numbers: docs/design.md, "Presets").
 PAPER = ObfuscationParams(alpha_e=1.0, alpha_h=0.2, lam=0.3, h=128, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0)
 
 # `default`: chosen by measurement on SmolLM2-135M (benchmarks/fidelity_presets.py, see docs/design.md):

@@ -184,6 +184,10 @@ def obfuscate(
         gen = {k: _map_ids(v, vocab_perm) for k, v in special.items()}
         gen["_from_model_config"] = False
         (staging.tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        from .server_tokenizer import write_hf_tokenizer  # neutral tokenizer: one opaque symbol per id, EOS only
+
+        write_hf_tokenizer(staging.tmp, int(out_cfg["vocab_size"]), gen.get("eos_token_id"),
+                           out_cfg.get("max_position_embeddings"))
         meta = {"format": "aloepri-obfuscated-model", "version": 1, "model_fingerprint": fingerprint,
                 "fingerprint_tensors": list(FINGERPRINTED), "hidden_size": D, "source_architecture": spec.name}
         (staging.tmp / MODEL_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")

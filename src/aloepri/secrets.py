@@ -112,8 +112,16 @@ class SecretSampler:
                 q_maps.append(R @ np.diag(sc) @ Zb)
                 k_maps.append(R @ np.diag(1.0 / sc) @ Zb)
         for g in range(s.num_kv_heads):
-            vo_mix.append(rng.normal(0.0, 1.0 / np.sqrt(s.head_dim), (s.head_dim, s.head_dim)))
+            vo_mix.append(self._vo_mixing(rng))
         return AttentionSecrets(kv_order, group_orders, q_maps, k_maps, vo_mix, **extra)
+
+    def _vo_mixing(self, rng: np.random.Generator) -> np.ndarray:
+        """U_vo: v gets U, o gets U^-1, so cond(U) multiplies the rounding error of low-precision v/o weights."""
+        dh, p = self.shape.head_dim, self.params
+        if p.vo_mixing == "gaussian":  # the paper's choice
+            return rng.normal(0.0, 1.0 / np.sqrt(dh), (dh, dh))
+        singular = keymat.log_uniform(rng, dh, p.vo_scale_range)
+        return keymat.haar_orthogonal(rng, dh) @ np.diag(singular) @ keymat.haar_orthogonal(rng, dh)
 
     def mlp(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         rng = self.rng("mlp", layer)
