@@ -47,9 +47,34 @@ CONFIGS = {
     "cand ae=0.1 ah=0.1": ("paper", {"alpha_e": 0.1, "alpha_h": 0.1, "lam": 0.1, "beta": 8}),
     # low-precision serving: the server stores bfloat16 weights (the obfuscated model, and the plain model
     # reference in fp32); the paper's Gaussian U_vo amplifies the rounding, the conditioned one does not
+    "plain bf16 (floor)": (None, {}),
     "exact,bf16": ("exact", {"dtype": "bfloat16"}),
     "exact,bf16,gaussian U_vo": ("exact", {"dtype": "bfloat16", "vo_mixing": "gaussian"}),
 }
+
+
+def save(results: dict, out_path: Path) -> None:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(out_path)
+
+
+def bf16_floor(plain, src, a) -> dict:
+    """The plaintext model itself in bfloat16 against float32: the noise floor of low-precision serving."""
+    import copy
+
+    import numpy as np
+
+    from aloepri.keyfile import KeyFile
+
+    tok = load_tokenizer(KeyFile([0, 1], "", {}, 0, 0, 0, "", "", tokenizer=None), src)
+    identity = KeyFile(list(range(plain.config.vocab_size)), "", {}, 0, 0, 0, "", "",
+                       special_tokens={"eos_token_id": plain.config.eos_token_id})
+    low = copy.deepcopy(plain).to(torch.bfloat16)
+    fid = compare(plain, low, identity, builtin_prompt_ids(tok, len(np.asarray(identity.vocab_permutation)), a.prompts),
+                  a.greedy_tokens)
+    return {**fid.to_dict(), "params": None}
 
 
 def main() -> None:
@@ -73,6 +98,11 @@ def main() -> None:
             if name in results["runs"] and results["runs"][name].get("prompts") == a.prompts:
                 print(f"skip {name} (done)")
                 continue
+            if name == "plain bf16 (floor)":
+                results["runs"][name] = {**bf16_floor(plain, src, a), "dtype": "bfloat16"}
+                print(f"{name:32s} top1={results['runs'][name]['top1_agreement']:.3f}", flush=True)
+                save(results, out_path)
+                continue
             preset, overrides = CONFIGS[name]
             overrides = dict(overrides)
             dtype = overrides.pop("dtype", "float32")
@@ -90,10 +120,7 @@ def main() -> None:
             results["runs"][name] = row
             print(f"{name:32s} top1={fid.top1_agreement:.3f} KL={fid.mean_kl:.4f} maxerr={fid.max_logit_error:.3g} "
                   f"greedy={fid.greedy_match_rate:.2f}", flush=True)
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(results, indent=2) + "\n")
-            tmp.replace(out_path)
+            save(results, out_path)
             del obf
     finally:
         shutil.rmtree(work, ignore_errors=True)

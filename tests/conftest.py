@@ -56,3 +56,16 @@ def smollm2_or_skip():
         return smollm2_gguf()
     except ModelNotInstalledError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_exact(tmp_path_factory):
+    """SmolLM2 obfuscated once per test session with the exact preset: (source gguf, server dir, key path).
+    Tests must treat it as read-only."""
+    import aloepri
+
+    smol = smollm2_or_skip()
+    work = tmp_path_factory.mktemp("smollm2-exact")
+    aloepri.obfuscate(smol, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=2026,
+                      progress=False)
+    return smol, work / "server", work / "client.key"

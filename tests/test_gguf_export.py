@@ -371,13 +371,12 @@ def test_neutral_tokenizer_reveals_nothing_of_the_permutation(obf, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smol_export(tmp_path_factory):
-    smol = smollm2_or_skip()
+def smol_export(smollm2_exact, tmp_path_factory):
+    smol, server_dir, key_path = smollm2_exact
     work = tmp_path_factory.mktemp("smol-gguf")
-    aloepri.obfuscate(smol, work / "out", work / "key.json", EXACT, seed=77, progress=False)
-    obf_gguf = export_gguf(work / "out", work / "obf.gguf", "f32").outfile
+    obf_gguf = export_gguf(server_dir, work / "obf.gguf", "f32").outfile
     plain_gguf = export_gguf(plaintext_reference_dir(smol, work / "plain"), work / "plain.gguf", "f32").outfile
-    return smol, work / "out", aloepri.load_key(work / "key.json"), obf_gguf, plain_gguf
+    return smol, server_dir, aloepri.load_key(key_path), obf_gguf, plain_gguf
 
 
 def _greedy_ids(m, prompt, max_tokens=40):

@@ -28,13 +28,11 @@ def smol():
 
 
 @pytest.fixture(scope="module")
-def stack(smol, tmp_path_factory):
+def stack(smol, smollm2_exact):
     """Obfuscated SmolLM2 served by serve-local (recorded) with the proxy in front; both on loopback threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    work = tmp_path_factory.mktemp("smol-serving")
-    aloepri.obfuscate(smol, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=2026,
-                      progress=False)
+    work = smollm2_exact[1].parent
     server = LocalServer(work / "server")
     recorder = Recorder(server.app())
     up = ServerThread(recorder).start()

@@ -24,10 +24,8 @@ def plain(smol):
 
 
 @pytest.fixture(scope="module")
-def exact_artifact(smol, tmp_path_factory):
-    work = tmp_path_factory.mktemp("smol-exact")
-    aloepri.obfuscate(smol, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=2026, progress=False)
-    return work / "server", work / "client.key"
+def exact_artifact(smollm2_exact):
+    return smollm2_exact[1], smollm2_exact[2]
 
 
 def test_gguf_reader_matches_transformers_loader(smol, plain):
@@ -48,7 +46,7 @@ def test_exact_preset_on_real_weights(smol, plain, exact_artifact):
     key = aloepri.load_key(key_path)
     obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = load_tokenizer(key, smol)
-    fid = compare(plain, obf, key, builtin_prompt_ids(tok, key.vocab_size, 6), greedy_tokens=16)
+    fid = compare(plain, obf, key, builtin_prompt_ids(tok, key.vocab_size, 4), greedy_tokens=16)
     assert fid.greedy_match_rate == 1.0
     assert fid.top1_agreement == 1.0
     assert fid.max_logit_error < 2e-2  # fp32 rounding on logits of magnitude ~20
