@@ -1,8 +1,10 @@
-"""Helpers for the serving tests: a character tokenizer for the tiny models, and an ASGI recorder."""
+"""Helpers for the serving tests: a character tokenizer for the tiny models, an ASGI recorder, a recording
+forwarder in front of an out-of-process server, and llama-cpp-python's server as a subprocess."""
 from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -98,3 +100,165 @@ def free_port() -> int:
 
 def ngrams(seq: list[int], n: int) -> set[tuple[int, ...]]:
     return {tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)}
+
+
+class Forwarder:
+    """ASGI app that relays every HTTP request unchanged to ``upstream`` and streams the answer back.
+
+    Wrapped in :class:`Recorder` and run on a loopback :class:`aloepri.serve_local.ServerThread` it is a wire tap
+    in front of a real server in another process: the recorder holds exactly the bytes that server received
+    and sent."""
+
+    HOP = {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding"}
+
+    def __init__(self, upstream: str, timeout: float = 300.0):
+        self.upstream = upstream.rstrip("/")
+        self.timeout = timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        import httpx2
+
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        url = self.upstream + scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
+        headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k.lower() not in self.HOP]
+        async with httpx2.AsyncClient(timeout=self.timeout) as http:
+            try:
+                resp = await http.send(http.build_request(scope["method"], url, content=body, headers=headers),
+                                       stream=True)
+            except httpx2.TransportError as e:
+                await send({"type": "http.response.start", "status": 502,
+                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.body", "body": f"forwarder: {type(e).__name__}".encode()})
+                return
+            try:
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": [(k.encode(), v.encode()) for k, v in resp.headers.items()
+                                        if k.lower().encode() not in self.HOP]})
+                async for chunk in resp.aiter_bytes():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            finally:
+                await resp.aclose()
+
+
+def sse_data(raw: bytes) -> list[Any]:
+    """The JSON payloads of a recorded server-sent-events body (``data: [DONE]`` left out)."""
+    import json
+
+    out = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data and data != "[DONE]":
+                out.append(json.loads(data))
+    return out
+
+
+class LlamaCppServer:
+    """llama-cpp-python's OpenAI server (``python -m llama_cpp.server``) on a GGUF, in its own process on a free
+    loopback port: one thread for decoding and for prompt batches, f32 KV cache (``type_k``/``type_v`` 0 =
+    GGML_TYPE_F32), mlock off. ``with LlamaCppServer(gguf, log) as url: ...``; always terminated on exit."""
+
+    def __init__(self, gguf, log_path, n_ctx: int = 512, alias: str = "model", start_timeout: float = 180.0):
+        self.cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
+                    "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(n_ctx),
+                    "--type_k", "0", "--type_v", "0", "--use_mlock", "False",
+                    "--host", "127.0.0.1", "--port", "0"]
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.proc = None
+        self.url = None
+
+    def start(self) -> "LlamaCppServer":
+        import subprocess
+        import time
+
+        import httpx2
+
+        port = free_port()
+        self.cmd[-1] = str(port)
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"llama_cpp.server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx2.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx2.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"llama_cpp.server not ready after {self.start_timeout}s: {self.log_tail()}")
+            time.sleep(0.3)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        if getattr(self, "_log", None):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> str:
+        return self.start().url
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def neutral_completion(url: str, prompt_ids: list[int], max_tokens: int, stream: bool,
+                       **sampling: Any) -> tuple[list[int], str | None]:
+    """Greedy ``/v1/completions`` on a GGUF with the neutral tokenizer, sent the ids themselves as neutral text
+    (no key involved): (reply ids, finish_reason). The plaintext reference GGUF's neutral vocabulary is the
+    identity, so this queries the plaintext model with the plaintext prompt ids."""
+    import httpx2
+
+    from aloepri.server_tokenizer import ids_to_neutral_text, neutral_text_to_ids
+
+    body = {"prompt": ids_to_neutral_text(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
+            "repeat_penalty": 1.0, "stream": stream, **sampling}
+    with httpx2.Client(timeout=300) as http:
+        r = http.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+        if not stream:
+            choice = r.json()["choices"][0]
+            return neutral_text_to_ids(choice["text"]), choice.get("finish_reason")
+        text, finish = "", None
+        for ev in sse_data(r.content):
+            for c in ev.get("choices") or []:
+                text += c.get("text") or ""
+                finish = c.get("finish_reason") or finish
+        return neutral_text_to_ids(text), finish

@@ -1,7 +1,16 @@
-"""End to end on real weights: official `openai` client -> aloepri proxy -> aloepri serve-local (transformers)
-on SmolLM2-135M-Instruct obfuscated with the exact preset. The decoded greedy answer must equal the plaintext
-model's, and the server must never see the plaintext prompt."""
+"""End to end on real weights, SmolLM2-135M-Instruct obfuscated with the exact preset, the official `openai`
+client talking to `aloepri proxy`:
+
+* against aloepri serve-local (transformers, in process): the decoded greedy answer equals the plaintext
+  transformers model's;
+* against a real llama.cpp server (llama-cpp-python's, its own process, f32 GGUF): the decoded greedy answer
+  equals the plaintext f32 GGUF's greedy answer on the same engine, token for token.
+
+Both times a recorder keeps what the server received and sent: it must hold no plaintext prompt id run and no
+word of the question or the answer."""
+import contextlib
 import json
+import shutil
 import subprocess
 import sys
 
@@ -160,6 +169,9 @@ def test_chat_cli_streams_an_answer(stack, smol):
     assert "Paris" in proc.stdout
 
 
+# ------------------------------------------------------------------ a real llama.cpp server (llama-cpp-python)
+
+
 def _llama_cpp_server_available() -> bool:
     import importlib.util
 
@@ -170,54 +182,130 @@ def _llama_cpp_server_available() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _llama_cpp_server_available(), reason="llama-cpp-python[server] is not installed")
-def test_text_mode_through_llama_cpp_python_server(stack, tmp_path):
-    """llama-cpp-python's OpenAI server takes no int prompts: the text path (neutral tokenizer) carries the ids.
-    Its reply must equal the same engine run on the permuted ids directly (llama_cpp.Llama), and the proxy must
-    serve it to the openai SDK."""
-    import time as _time
+LLAMA_MAX_TOKENS = 24
+GREEDY = {"temperature": 0, "extra_body": {"repetition_penalty": 1.0}}  # llama-cpp-python defaults to 1.1
 
-    import httpx2
-    from llama_cpp import Llama
 
-    from aloepri.gguf_export import export_gguf
-    from serving_helpers import free_port
+@pytest.fixture(scope="module")
+def llamacpp(smol, smollm2_exact, tmp_path_factory):
+    """Two llama.cpp servers (llama-cpp-python's OpenAI server, one thread, f32 KV cache, n_ctx 512), each in
+    its own process on loopback: the obfuscated SmolLM2 (exact preset) exported to f32 GGUF, and the plaintext
+    SmolLM2 exported the same way (same f32 weights the obfuscation started from). A recording forwarder sits
+    between `aloepri proxy` (text backend: llama-cpp-python's server takes no int prompts) and the obfuscated
+    server, so the test sees every byte that server received and sent."""
+    if not _llama_cpp_server_available():
+        pytest.skip("llama-cpp-python[server] is not installed")
+    from aloepri.gguf_export import export_gguf, plaintext_reference_dir
+    from serving_helpers import Forwarder, LlamaCppServer
 
-    gguf = tmp_path / "obf.gguf"
-    export_gguf(stack["work"] / "server", gguf, "f32")
-    core = stack["proxy_obj"].client.core
-    key, q, n = core.key, QUESTIONS[0], 24
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "obf",
-                             "--n_threads", "1", "--n_ctx", "512", "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = _time.monotonic() + 120
-        while _time.monotonic() < deadline:
-            try:
-                if httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx2.TransportError:
-                _time.sleep(0.3)
-        prompt = core.chat_prompt_ids([{"role": "user", "content": q}])
-        with Client(key, f"http://127.0.0.1:{port}", model="obf", tokenizer=core.tokenizer, backend="openai-text") as c:
-            text_path = c.chat(q, max_tokens=n, temperature=0, repetition_penalty=1.0)
-        llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=1, verbose=False)
-        llm.eval(key.encode_ids(prompt))
-        ids = []
-        for _ in range(n):
-            t = llm.sample(temp=0, repeat_penalty=1.0, top_k=1)
-            if t in key.obfuscated_eos_ids():
-                break
-            ids.append(t)
-            llm.eval([t])
-        assert text_path.token_ids == key.decode_ids(ids)
-        proxy = build_proxy(key, f"http://127.0.0.1:{port}", tokenizer=core.tokenizer, backend="openai-text")
-        with ServerThread(proxy.app()) as url:
-            r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(
-                model="m", messages=[{"role": "user", "content": q}], max_tokens=n, temperature=0,
-                extra_body={"repetition_penalty": 1.0})
-        assert r.choices[0].message.content == text_path.text and "Paris" in text_path.text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    _, server_dir, key_path = smollm2_exact
+    work = tmp_path_factory.mktemp("llamacpp")
+    export_gguf(server_dir, work / "obf.gguf", "f32")
+    export_gguf(plaintext_reference_dir(smol, work / "plain"), work / "plain.gguf", "f32")
+    with contextlib.ExitStack() as stack:
+        # last out: the ~2 GB of weights go once both servers are down (pytest keeps its last temp dirs)
+        stack.callback(lambda: [shutil.rmtree(work / "plain", ignore_errors=True)]
+                       + [p.unlink(missing_ok=True) for p in (work / "obf.gguf", work / "plain.gguf")])
+        obf_url = stack.enter_context(LlamaCppServer(work / "obf.gguf", work / "obf.log", alias="obfuscated"))
+        plain_url = stack.enter_context(LlamaCppServer(work / "plain.gguf", work / "plain.log", alias="plain"))
+        recorder = Recorder(Forwarder(obf_url))
+        tap = stack.enter_context(ServerThread(recorder))
+        proxy = build_proxy(key_path, tap, tokenizer=smol, backend="openai-text",
+                            model_meta=str(server_dir / "aloepri_model.json"))
+        url = stack.enter_context(ServerThread(proxy.app()))
+        assert proxy.fingerprint_status == "verified-local-meta"
+        yield {"proxy": url, "tap": tap, "plain": plain_url, "recorder": recorder, "core": proxy.client.core}
+
+
+def _plain_reference(llamacpp, question: str, stream: bool):
+    """The plaintext model's greedy reply on the same engine, to the same request shape (same prompt ids, same
+    stream flag, so that both servers see the same sequence of requests and reuse their KV cache alike)."""
+    from serving_helpers import neutral_completion
+
+    core = llamacpp["core"]
+    prompt = core.chat_prompt_ids([{"role": "user", "content": question}])
+    ids, finish = neutral_completion(llamacpp["plain"], prompt, LLAMA_MAX_TOKENS, stream)
+    assert ids and finish in ("stop", "length"), (ids, finish)
+    return prompt, ids, finish, core.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _llamacpp_exchange(llamacpp, stream: bool):
+    """The one completion request the obfuscated llama.cpp server received, and the permuted ids it answered."""
+    from aloepri.server_tokenizer import neutral_text_to_ids
+    from serving_helpers import sse_data
+
+    seen = [e for e in llamacpp["recorder"].exchanges if e["path"] == "/v1/completions"]
+    assert len(seen) == 1 and seen[0]["status"] == 200
+    ex = seen[0]
+    body = json.loads(ex["request"])
+    assert body["stream"] is stream
+    if stream:
+        text = "".join(c.get("text") or "" for ev in sse_data(ex["response"]) for c in ev.get("choices") or [])
+    else:
+        text = json.loads(ex["response"])["choices"][0]["text"]
+    return ex, body, neutral_text_to_ids(body["prompt"]), neutral_text_to_ids(text)
+
+
+def _assert_llamacpp_saw_no_plaintext(ex, body, sent_ids, prompt_ids, question, answer):
+    assert len(sent_ids) == len(prompt_ids) and sent_ids != prompt_ids
+    assert not ngrams(prompt_ids, 3) & ngrams(sent_ids, 3)  # no run of three plaintext prompt ids
+    raw = ex["request"] + ex["response"]
+    words = {w.strip(".,:;!?()\"'") for w in (question + " " + answer).split()}
+    for word in sorted(w for w in words if len(w) > 3):
+        assert word.encode() not in raw, word
+    assert "stop" not in body  # stop strings never leave the client
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_openai_sdk_through_proxy_on_llama_cpp_equals_plaintext_on_llama_cpp(llamacpp, question, stream):
+    """Issue 3's acceptance test: official openai SDK -> aloepri proxy -> (recording tap) -> llama.cpp server on
+    the obfuscated f32 GGUF. The greedy answer equals the plaintext f32 GGUF's greedy answer on the same engine,
+    token for token, and the server saw neither the plaintext ids nor any word of the question or answer."""
+    key = llamacpp["core"].key
+    llamacpp["recorder"].clear()
+    sdk = openai.OpenAI(base_url=llamacpp["proxy"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": question}]
+    if stream:
+        pieces, finish, usage = [], None, None
+        for chunk in sdk.chat.completions.create(model="m", messages=messages, max_tokens=LLAMA_MAX_TOKENS,
+                                                 stream=True, stream_options={"include_usage": True}, **GREEDY):
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                pieces.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+        content = "".join(pieces)
+        assert sum(1 for p in pieces if p) > 3  # really streamed, not one blob
+    else:
+        r = sdk.chat.completions.create(model="m", messages=messages, max_tokens=LLAMA_MAX_TOKENS, **GREEDY)
+        content, finish, usage = r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+        assert r.choices[0].message.role == "assistant"
+    ex, body, sent_ids, reply_server_ids = _llamacpp_exchange(llamacpp, stream)
+
+    prompt, want_ids, want_finish, want_text = _plain_reference(llamacpp, question, stream)
+    assert sent_ids == key.encode_ids(prompt)
+    assert key.decode_ids(reply_server_ids) == want_ids  # token for token, EOS excluded on both sides
+    assert content == want_text
+    assert finish == want_finish
+    assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(want_ids)
+    if "France" in question:
+        assert "Paris" in content
+    _assert_llamacpp_saw_no_plaintext(ex, body, sent_ids, prompt, question, want_text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_sdk_text_backend_on_llama_cpp_equals_plaintext(llamacpp, stream):
+    """The Python SDK straight to the llama.cpp server (no proxy), text backend, sync client."""
+    core, q = llamacpp["core"], QUESTIONS[1]
+    llamacpp["recorder"].clear()
+    with Client(core.key, llamacpp["tap"], tokenizer=core.tokenizer, backend="openai-text") as c:
+        if stream:
+            deltas = list(c.chat(q, max_tokens=LLAMA_MAX_TOKENS, temperature=0, repetition_penalty=1.0, stream=True))
+            ids, text = [i for d in deltas for i in d.token_ids], "".join(d.text or "" for d in deltas)
+        else:
+            r = c.chat(q, max_tokens=LLAMA_MAX_TOKENS, temperature=0, repetition_penalty=1.0)
+            ids, text = r.token_ids, r.text
+    ex, body, sent_ids, _ = _llamacpp_exchange(llamacpp, stream)
+    prompt, want_ids, _, want_text = _plain_reference(llamacpp, q, stream)
+    assert ids == want_ids and text == want_text
+    _assert_llamacpp_saw_no_plaintext(ex, body, sent_ids, prompt, q, want_text)
