@@ -22,16 +22,55 @@ from pathlib import Path
 from aloepri import obfuscate, resolve_params
 from aloepri.models import smollm2_gguf, qwen25_coder_05b_gguf
 torch.set_num_threads(int(sys.argv[4]))
-src = smollm2_gguf() if sys.argv[1] == "smollm2" else qwen25_coder_05b_gguf()
-rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+src = {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}.get(sys.argv[1], lambda: Path(sys.argv[1]))()
+def vm_hwm_kib():
+    # VmHWM belongs to this process image (reset by exec); ru_maxrss would inherit the parent's high-water mark
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+rss_before = vm_hwm_kib()
 t = time.perf_counter()
 res = obfuscate(src, Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", resolve_params(sys.argv[3]), seed=1,
                 overwrite=True, progress=False)
 wall = time.perf_counter() - t
 print(json.dumps({"src": src.name, "src_bytes": src.stat().st_size, "wall_seconds": wall, "flops": res.flops,
                   "output_bytes": res.bytes_written, "hidden_size": res.hidden_size, "h": res.h,
-                  "rss_before_kib": rss_before, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                  "rss_before_kib": rss_before, "peak_rss_kib": vm_hwm_kib()}))
 """
+
+
+def synthetic_checkpoint(directory: Path, layers: int = 40, d: int = 1024, f: int = 4096, vocab: int = 4096) -> Path:
+    """A deep, narrow-vocabulary Llama checkpoint (bf16, one shard per layer), written layer by layer. Its
+    embedding and head are tiny, so peak RSS while obfuscating it shows the per-layer bound on its own."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    directory.mkdir(parents=True)
+    heads, kv, dh = 16, 4, 64
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=dh, tie_word_embeddings=True)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(directory)
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: (0.02 * torch.randn(*shape, generator=g)).to(torch.bfloat16)  # noqa: E731
+    weight_map = {}
+    shards = [("model-embed.safetensors", {"model.embed_tokens.weight": rnd(vocab, d),
+                                           "model.norm.weight": torch.ones(d, dtype=torch.bfloat16)})]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shards.append((f"model-layer{i:03d}.safetensors", {
+            p + "input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rnd(heads * dh, d), p + "self_attn.k_proj.weight": rnd(kv * dh, d),
+            p + "self_attn.v_proj.weight": rnd(kv * dh, d), p + "self_attn.o_proj.weight": rnd(d, heads * dh),
+            p + "mlp.gate_proj.weight": rnd(f, d), p + "mlp.up_proj.weight": rnd(f, d),
+            p + "mlp.down_proj.weight": rnd(d, f)}))
+    for fname, tensors in shards:
+        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
 
 
 def matmul_gflops(threads: int, n: int = 2048, reps: int = 3) -> float:
@@ -49,7 +88,7 @@ def matmul_gflops(threads: int, n: int = 2048, reps: int = 3) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=["smollm2", "qwen-coder"])
+    ap.add_argument("--models", nargs="*", default=["smollm2", "qwen-coder", "synthetic-deep"])
     ap.add_argument("--preset", default="default")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -57,7 +96,8 @@ def main() -> None:
     out["matmul_float64_gflops_before"] = matmul_gflops(a.threads)
     for m in a.models:
         with tempfile.TemporaryDirectory() as work:
-            proc = subprocess.run([sys.executable, "-c", CHILD, m, work, a.preset, str(a.threads)],
+            src = str(synthetic_checkpoint(Path(work) / "src")) if m == "synthetic-deep" else m
+            proc = subprocess.run([sys.executable, "-c", CHILD, src, work, a.preset, str(a.threads)],
                                   capture_output=True, text=True, check=True)
             r = json.loads(proc.stdout.strip().splitlines()[-1])
         r["gflops_achieved"] = r["flops"] / r["wall_seconds"] / 1e9

@@ -56,7 +56,10 @@ class SourceCheckpoint:
     def tensor_names(self) -> set[str]:
         raise NotImplementedError
 
-    def get(self, role: str, layer: int | None = None, part: str = "weight") -> torch.Tensor:
+    def get(self, role: str, layer: int | None = None, part: str = "weight",
+            dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
+        """One tensor by role, converted to ``dtype`` (None keeps the stored precision: for the big vocabulary
+        matrices, which are converted to float64 chunk by chunk instead)."""
         raise NotImplementedError
 
     def tokenizer_kwargs(self) -> dict[str, Any] | None:
@@ -173,12 +176,13 @@ class SafetensorsCheckpoint(SourceCheckpoint):
     def tensor_names(self):
         return set(self._weight_map)
 
-    def get(self, role, layer=None, part="weight"):
+    def get(self, role, layer=None, part="weight", dtype=torch.float64):
         name = self.name_of(role, layer, part)
         shard = self._weight_map.get(name)
         if shard is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint index")
-        return self._shards[shard].get(name).to(torch.float64)
+        t = self._shards[shard].get(name)
+        return t if dtype is None else t.to(dtype)
 
     def tokenizer_kwargs(self):
         has_tok = any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
@@ -229,7 +233,7 @@ class GGUFCheckpoint(SourceCheckpoint):
     def tensor_names(self):
         return set(self._tensors)
 
-    def get(self, role, layer=None, part="weight"):
+    def get(self, role, layer=None, part="weight", dtype=torch.float64):
         import gguf
 
         name = self.name_of(role, layer, part)
@@ -240,7 +244,8 @@ class GGUFCheckpoint(SourceCheckpoint):
         if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
             heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
             w = _unpermute_llama_qk(w, heads)
-        out = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float64))
+        out = torch.from_numpy(np.ascontiguousarray(w))  # dequantized GGUF tensors are float32
+        out = out if dtype is None else out.to(dtype)
         self._release_pages(t)
         return out
 
@@ -276,7 +281,7 @@ class ShardedWriter:
     Tensors are buffered only until the shard is full, so memory stays bounded by ``max_shard_bytes``.
     """
 
-    def __init__(self, directory: Path, max_shard_bytes: int = 1 << 30):
+    def __init__(self, directory: Path, max_shard_bytes: int = 256 << 20):
         self.directory = directory
         self.max_shard_bytes = max_shard_bytes
         self._buffer: dict[str, torch.Tensor] = {}
@@ -295,6 +300,8 @@ class ShardedWriter:
         self._buffer[name] = t
         self._buffer_bytes += nbytes
         self.total_bytes += nbytes
+        if self._buffer_bytes >= self.max_shard_bytes:  # e.g. an embedding larger than a shard: write it now
+            self._flush()
 
     def _flush(self) -> None:
         from safetensors.torch import save_file

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, required=True, help="secret seed: every key matrix and permutation derives from it")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default=None,
                    help="output dtype (default: the source's; float32 for GGUF)")
-    p.add_argument("--max-shard-gb", type=float, default=1.0)
+    p.add_argument("--max-shard-gb", type=float, default=0.25,
+                   help="shard size; also bounds the write buffer, so peak memory grows with it")
     p.add_argument("--force", action="store_true", help="replace an existing output directory and key")
     p.add_argument("--quiet", action="store_true")
     _add_param_overrides(p)

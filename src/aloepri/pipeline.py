@@ -95,7 +95,7 @@ def fingerprint_update(hasher: "hashlib._Hash", name: str, tensor: torch.Tensor)
     hasher.update(name.encode())
     hasher.update(str(tensor.dtype).encode())
     hasher.update(repr(tuple(tensor.shape)).encode())
-    hasher.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    hasher.update(tensor.contiguous().view(torch.uint8).numpy())  # buffer protocol: no copy of a big matrix
 
 
 FINGERPRINTED = ("model.embed_tokens.weight", "lm_head.weight")
@@ -108,7 +108,7 @@ def obfuscate(
     params: ObfuscationParams,
     seed: int,
     dtype: str | None = None,
-    max_shard_bytes: int = 1 << 30,
+    max_shard_bytes: int = 256 << 20,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ObfuscationResult:
@@ -145,11 +145,11 @@ def obfuscate(
         fp = hashlib.sha256()
         steps = tqdm(total=shape.num_layers + 2, desc="obfuscating", unit="block", disable=not progress)
 
-        embed = source.get("embed")
+        embed = source.get("embed", dtype=None)  # stored precision; converted chunk by chunk
         calib = None
         if params.kappa_mode == "embedding":
             idx = secrets.rng("kappa-calibration").choice(embed.shape[0], size=min(4096, embed.shape[0]), replace=False)
-            calib = embed[torch.from_numpy(np.sort(idx))].numpy()
+            calib = embed[torch.from_numpy(np.sort(idx))].to(torch.float64).numpy()
         kappa = secrets.kappa(calib)
         norm_const = torch.full((D,), kappa, dtype=out_dtype)
 
@@ -158,7 +158,7 @@ def obfuscate(
         flops += 2.0 * embed.shape[0] * shape.d * D
         fingerprint_update(fp, "model.embed_tokens.weight", e_obf)
         writer.add("model.embed_tokens.weight", e_obf)
-        head_plain = embed if source.tied_embeddings else source.get("head")
+        head_plain = embed if source.tied_embeddings else source.get("head", dtype=None)
         del embed, e_obf
         h_obf = obfuscate_head(head_plain, source.get("final_norm"), vocab_perm, secrets.reader_Q("head"),
                                params.alpha_h, secrets.rng("noise", "head"), out_dtype)

@@ -42,6 +42,17 @@ def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
 # --- embedding and head --------------------------------------------------------------------------------
 
 
+def _std_float64(weight: Tensor, chunk_rows: int) -> float:
+    """std of a large matrix in float64 without a float64 copy of it."""
+    total = total_sq = 0.0
+    for start in range(0, weight.shape[0], chunk_rows):
+        c = weight[start : start + chunk_rows].to(torch.float64)
+        total += float(c.sum())
+        total_sq += float((c * c).sum())
+    n = weight.numel()
+    return float(np.sqrt(max(total_sq - total * total / n, 0.0) / (n - 1)))
+
+
 def _permute_noise_project(
     weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float, rng: np.random.Generator,
     out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192,
@@ -49,7 +60,7 @@ def _permute_noise_project(
     """Rows of a vocabulary matrix (n, d): permute, add alpha*std(W) Gaussian noise, scale columns, multiply
     by ``right`` (d, D). Float64 chunk by chunk, so memory stays bounded by the input and output."""
     n = weight.shape[0]
-    sigma = float(weight.std())
+    sigma = _std_float64(weight, chunk_rows) if alpha > 0 else 0.0
     plain_rows = np.argsort(vocab_perm)  # obfuscated row j holds plain token plain_rows[j]
     out = torch.empty((n, right.shape[1]), dtype=out_dtype)
     for start in range(0, n, chunk_rows):
