@@ -244,7 +244,10 @@ class GGUFCheckpoint(SourceCheckpoint):
         if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
             heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
             w = _unpermute_llama_qk(w, heads)
-        out = torch.from_numpy(np.ascontiguousarray(w))  # dequantized GGUF tensors are float32
+        w = np.ascontiguousarray(w)  # dequantized GGUF tensors are float32
+        if not w.flags.writeable:  # unquantized tensors come back as views of the file mapping: own a copy
+            w = w.copy()
+        out = torch.from_numpy(w)
         out = out if dtype is None else out.to(dtype)
         self._release_pages(t)
         return out
