@@ -23,29 +23,68 @@ def tiny_dir(tmp_path_factory):
     return make
 
 
+_MODELING = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+
+
+def _softmax_topk_router_forward(self, hidden_states):
+    """Qwen2-MoE / Qwen3-MoE / Mixtral router in the input dtype (stock code upcasts to float32)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    probs = torch.softmax(logits, dim=-1)
+    top, idx = torch.topk(probs, self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top, idx
+
+
+def _deepseek_v3_router_forward(self, hidden_states):
+    """DeepSeek-V3 sigmoid router with group-limited top-k, in the input dtype."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype))
+    scores = logits.sigmoid()
+    choice = scores + self.e_score_correction_bias.to(scores.dtype)
+    groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(dim=-1)
+    gidx = torch.topk(groups, k=self.topk_group, dim=-1, sorted=False)[1]
+    gmask = torch.zeros_like(groups).scatter_(1, gidx, 1)
+    smask = gmask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+    choice = choice.masked_fill(~smask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if self.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, w * self.routed_scaling_factor, idx
+
+
 @contextlib.contextmanager
 def rmsnorm_in_input_dtype():
-    """Stock HF RMSNorm upcasts to float32 (downcasting float64); compute in the input dtype instead, so a
-    float64 equivalence test measures the obfuscation, not float32 rounding."""
-    from transformers.models.llama import modeling_llama
-    from transformers.models.mistral import modeling_mistral
-    from transformers.models.qwen2 import modeling_qwen2
-    from transformers.models.qwen3 import modeling_qwen3
-
-    classes = [modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
-               modeling_qwen3.Qwen3RMSNorm]
+    """Stock HF RMSNorm (and MoE routers) upcast to float32, downcasting float64; compute in the input dtype
+    instead, so a float64 equivalence test measures the obfuscation, not float32 rounding."""
+    import importlib
 
     def forward(self, x):
         var = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
 
-    saved = [c.forward for c in classes]
-    for c in classes:
-        c.forward = forward
+    patches = []
+    for name in _MODELING:
+        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for attr in dir(mod):
+            cls = getattr(mod, attr)
+            if not isinstance(cls, type) or cls.__module__ != mod.__name__:
+                continue
+            if attr.endswith("RMSNorm"):
+                patches.append((cls, forward))
+            elif attr in ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter"):
+                patches.append((cls, _softmax_topk_router_forward))
+            elif attr == "DeepseekV3TopkRouter":
+                patches.append((cls, _deepseek_v3_router_forward))
+    saved = [(c, c.__dict__["forward"]) for c, _ in patches]
+    for c, f in patches:
+        c.forward = f
     try:
         yield
     finally:
-        for c, f in zip(classes, saved):
+        for c, f in saved:
             c.forward = f
 
 

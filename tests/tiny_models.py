@@ -22,14 +22,42 @@ TINY_ARCHS = {
                                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, attention_bias=False,
                                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # mixture of experts: 8 experts, top-2, tiny experts; a dense first layer where the architecture has one
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=3, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=False, qkv_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=False, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        tie_word_embeddings=False, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # multi-head latent attention + grouped routing (2 groups of 4, one picked) + a shared expert + dense layer 0
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=6, head_dim=None,
+        moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=12, v_head_dim=10, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # MLA without the q latent (DeepSeek-V2-Lite style q_proj) and HF-style (non-interleaved) rope pairs
+    "deepseek_v3_noqlora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=2, num_key_value_heads=6, head_dim=None,
+        moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_noqlora")
 
 
 def build_tiny(arch: str, directory: Path, seed: int = 0) -> Path:
     import transformers
 
     cfg_name, model_name, extra = TINY_ARCHS[arch]
-    cfg = getattr(transformers, cfg_name)(**TINY_COMMON, **extra)
+    kwargs = {**TINY_COMMON, **extra}
+    cfg = getattr(transformers, cfg_name)(**{k: v for k, v in kwargs.items() if v is not None})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).to(torch.float64)
     with torch.no_grad():
@@ -40,5 +68,8 @@ def build_tiny(arch: str, directory: Path, seed: int = 0) -> Path:
                 p.copy_(0.3 * torch.randn_like(p))
             else:
                 p.copy_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # selection-only router bias: must follow the experts
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory)
     return directory

@@ -5,7 +5,9 @@ An unknown architecture is a hard error listing what is supported; there is no f
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 # Roles of per-layer tensors. Linear roles name the module (".weight"/".bias" appended); norm roles name the
 # weight tensor itself.
@@ -41,7 +43,70 @@ GGUF_LAYER_ROLES = {
 GGUF_GLOBAL_ROLES = {"embed": "token_embd.weight", "head": "output.weight", "final_norm": "output_norm.weight"}
 GGUF_LAYER_PREFIX = "blk.{i}."
 
-LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+# Roles of MoE and MLA tensors (HF names; "{e}" is the expert index). Architectures that name them differently
+# override single roles in ArchSpec.hf_roles (Mixtral: block_sparse_moe.*, w1/w3/w2).
+HF_MOE_MLA_ROLES = {
+    "router": "mlp.gate",
+    "router_bias": "mlp.gate.e_score_correction_bias",  # DeepSeek-V3: selection-only bias, permuted with experts
+    "expert_gate": "mlp.experts.{e}.gate_proj",
+    "expert_up": "mlp.experts.{e}.up_proj",
+    "expert_down": "mlp.experts.{e}.down_proj",
+    "shared_gate": "mlp.shared_expert.gate_proj",
+    "shared_up": "mlp.shared_expert.up_proj",
+    "shared_down": "mlp.shared_expert.down_proj",
+    "shared_expert_gate": "mlp.shared_expert_gate",  # Qwen2-MoE: sigmoid gate of the shared expert (1 x d)
+    "q_a": "self_attn.q_a_proj",
+    "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b": "self_attn.q_b_proj",
+    "kv_a": "self_attn.kv_a_proj_with_mqa",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "kv_b": "self_attn.kv_b_proj",
+}
+
+LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down", "router", "expert_gate", "expert_up", "expert_down",
+                "shared_gate", "shared_up", "shared_down", "shared_expert_gate", "q_a", "q_b", "kv_a", "kv_b")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Where an architecture has routed experts, and what goes with them.
+
+    layer_rule: which decoder layers are sparse. "all"; "sparse_step" (Qwen-MoE: not in ``mlp_only_layers`` and
+    (i + 1) % ``decoder_sparse_step`` == 0); "first_k_dense" (DeepSeek: i >= ``first_k_dense_replace``).
+    expert_groups_key: DeepSeek's ``n_group`` -- routing first picks groups of consecutive experts, so the expert
+    permutation must map groups onto groups (permute the groups, then experts inside each group).
+    """
+
+    num_experts_keys: tuple[str, ...]  # config keys naming the routed-expert count, first present wins
+    layer_rule: str = "all"
+    shared_expert: bool = False
+    shared_expert_gate: bool = False
+    router_bias: bool = False
+    expert_groups_key: str | None = None
+    expert_intermediate_key: str = "moe_intermediate_size"
+    shared_intermediate_key: str | None = None  # None: moe_intermediate_size * n_shared_experts (DeepSeek)
+
+    def is_sparse_layer(self, cfg: dict[str, Any], layer: int) -> bool:
+        if self.layer_rule == "all":
+            return True
+        if self.layer_rule == "sparse_step":
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            return layer not in (cfg.get("mlp_only_layers") or []) and self.num_experts(cfg) > 0 \
+                and (layer + 1) % step == 0
+        if self.layer_rule == "first_k_dense":
+            return layer >= int(cfg.get("first_k_dense_replace") or 0)
+        raise ValueError(f"unknown MoE layer rule {self.layer_rule!r}")
+
+    def num_experts(self, cfg: dict[str, Any]) -> int:
+        for k in self.num_experts_keys:
+            if cfg.get(k) is not None:
+                return int(cfg[k])
+        raise KeyError(f"config has none of {self.num_experts_keys} (number of routed experts)")
+
+    def shared_intermediate_size(self, cfg: dict[str, Any]) -> int:
+        if self.shared_intermediate_key is not None:
+            return int(cfg[self.shared_intermediate_key])
+        return int(cfg[self.expert_intermediate_key]) * int(cfg.get("n_shared_experts") or 1)
 
 
 @dataclass(frozen=True)
@@ -62,6 +127,13 @@ class ArchSpec:
     gguf_qk_rows_interleaved: bool = False  # llama.cpp's converter permutes q/k rows for the llama arch
     # config keys copied verbatim from the source config when present
     passthrough_config: tuple[str, ...] = field(default=())
+    attention: str = "gqa"  # "gqa" (MHA/GQA/MQA: q/k/v/o) or "mla" (DeepSeek's multi-head latent attention)
+    moe: MoESpec | None = None
+    hf_roles: dict[str, str] = field(default_factory=dict)  # overrides of HF_LAYER_ROLES / HF_MOE_MLA_ROLES
+    gguf_export: bool = True  # `aloepri export-gguf` supports the output (dense GQA models only)
+
+    def hf_role_names(self) -> dict[str, str]:
+        return {**HF_LAYER_ROLES, **HF_MOE_MLA_ROLES, **self.hf_roles}
 
 
 _COMMON = (
@@ -97,6 +169,43 @@ register(ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "llama", "LlamaFor
                   passthrough_config=_COMMON))
 register(ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", "Qwen3ForCausalLM", qk_norm=True,
                   passthrough_config=_COMMON + ("attention_bias",)))
+
+# --- mixture of experts and multi-head latent attention (safetensors sources only) ---------------------------
+_MOE_COMMON = ("num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits")
+_QWEN_MOE = _MOE_COMMON + ("num_experts", "num_local_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                           "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+register(ArchSpec("qwen2_moe", ("Qwen2MoeForCausalLM",), (), "qwen2_moe", "Qwen2MoeForCausalLM",
+                  passthrough_config=_COMMON + _QWEN_MOE + ("shared_expert_intermediate_size", "qkv_bias"),
+                  moe=MoESpec(("num_experts",), "sparse_step", shared_expert=True, shared_expert_gate=True,
+                              shared_intermediate_key="shared_expert_intermediate_size"),
+                  gguf_export=False))
+register(ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), (), "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
+                  passthrough_config=_COMMON + _QWEN_MOE + ("attention_bias",),
+                  moe=MoESpec(("num_local_experts", "num_experts"), "sparse_step"), gguf_export=False))
+register(ArchSpec("mixtral", ("MixtralForCausalLM",), (), "mixtral", "MixtralForCausalLM",
+                  passthrough_config=_COMMON + _MOE_COMMON + ("num_local_experts", "sliding_window",
+                                                              "router_jitter_noise"),
+                  moe=MoESpec(("num_local_experts",), "all", expert_intermediate_key="intermediate_size"),
+                  hf_roles={"router": "block_sparse_moe.gate", "expert_gate": "block_sparse_moe.experts.{e}.w1",
+                            "expert_up": "block_sparse_moe.experts.{e}.w3",
+                            "expert_down": "block_sparse_moe.experts.{e}.w2"},
+                  gguf_export=False))
+_DEEPSEEK = _COMMON + _MOE_COMMON + (
+    "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
+    "topk_group", "topk_method", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+    "qk_nope_head_dim", "v_head_dim", "rope_interleave", "attention_bias", "mlp_bias", "scoring_func",
+    "num_nextn_predict_layers",
+)
+_DEEPSEEK_MOE = MoESpec(("n_routed_experts", "num_local_experts"), "first_k_dense", shared_expert=True, expert_groups_key="n_group")
+_DEEPSEEK_ROLES = {"shared_gate": "mlp.shared_experts.gate_proj", "shared_up": "mlp.shared_experts.up_proj",
+                   "shared_down": "mlp.shared_experts.down_proj"}
+register(ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), (), "deepseek_v3", "DeepseekV3ForCausalLM",
+                  passthrough_config=_DEEPSEEK, attention="mla",
+                  moe=dataclasses.replace(_DEEPSEEK_MOE, router_bias=True), hf_roles=_DEEPSEEK_ROLES,
+                  gguf_export=False))
+register(ArchSpec("deepseek_v2", ("DeepseekV2ForCausalLM",), (), "deepseek_v2", "DeepseekV2ForCausalLM",
+                  passthrough_config=_DEEPSEEK, attention="mla", moe=_DEEPSEEK_MOE, hf_roles=_DEEPSEEK_ROLES,
+                  gguf_export=False))
 
 
 def supported_architectures() -> list[str]:

@@ -21,7 +21,6 @@ from .archs import (
     GGUF_LAYER_ROLES,
     HF_GLOBAL_ROLES,
     HF_LAYER_PREFIX,
-    HF_LAYER_ROLES,
     LINEAR_ROLES,
     ArchSpec,
     spec_for_gguf,
@@ -33,10 +32,13 @@ class CheckpointError(ValueError):
     """A source checkpoint is missing, truncated, corrupt or incomplete."""
 
 
-def _tensor_name(roles: dict, global_roles: dict, prefix: str, role: str, layer: int | None, part: str) -> str:
+def _tensor_name(roles: dict, global_roles: dict, prefix: str, role: str, layer: int | None, part: str,
+                 expert: int | None = None) -> str:
     if layer is None:
         return global_roles[role]
-    base = prefix.format(i=layer) + roles[role]
+    if role not in roles:
+        raise CheckpointError(f"tensor role {role!r} does not exist in this checkpoint format")
+    base = prefix.format(i=layer) + roles[role].format(e=expert)
     return f"{base}.{part}" if role in LINEAR_ROLES else base
 
 
@@ -47,17 +49,17 @@ class SourceCheckpoint:
     spec: ArchSpec
     path: Path
 
-    def name_of(self, role: str, layer: int | None = None, part: str = "weight") -> str:
+    def name_of(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
         raise NotImplementedError
 
-    def has(self, role: str, layer: int | None = None, part: str = "weight") -> bool:
-        return self.name_of(role, layer, part) in self.tensor_names()
+    def has(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> bool:
+        return self.name_of(role, layer, part, expert) in self.tensor_names()
 
     def tensor_names(self) -> set[str]:
         raise NotImplementedError
 
     def get(self, role: str, layer: int | None = None, part: str = "weight",
-            dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
+            dtype: torch.dtype | None = torch.float64, expert: int | None = None) -> torch.Tensor:
         """One tensor by role, converted to ``dtype`` (None keeps the stored precision: for the big vocabulary
         matrices, which are converted to float64 chunk by chunk instead)."""
         raise NotImplementedError
@@ -76,12 +78,11 @@ class SourceCheckpoint:
 
     def validate(self) -> None:
         """Fail before writing anything if a tensor the obfuscation needs is absent."""
-        required = [("embed", None, "weight"), ("final_norm", None, "weight")]
+        required = [("embed", None, "weight", None), ("final_norm", None, "weight", None)]
         for i in range(self.num_layers):
-            for role in ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down"):
-                required.append((role, i, "weight"))
-            if self.spec.qk_norm:
-                required += [("q_norm", i, "weight"), ("k_norm", i, "weight")]
+            for role in self.attention_roles(i) + self.mlp_roles(i):
+                role, expert = role if isinstance(role, tuple) else (role, None)
+                required.append((role, i, "weight", expert))
         names = self.tensor_names()
         missing = [self.name_of(*r) for r in required if self.name_of(*r) not in names]
         if missing:
@@ -90,6 +91,29 @@ class SourceCheckpoint:
                 f"{self.path}: checkpoint is incomplete, missing tensor(s) {missing[:5]}{more}; "
                 "re-download or re-convert the checkpoint"
             )
+
+    def attention_roles(self, layer: int) -> list[str]:
+        if self.spec.attention == "mla":
+            q = ["q_a", "q_a_norm", "q_b"] if self.config.get("q_lora_rank") else ["q"]
+            return ["attn_norm", *q, "kv_a", "kv_a_norm", "kv_b", "o"]
+        return ["attn_norm", "q", "k", "v", "o"] + (["q_norm", "k_norm"] if self.spec.qk_norm else [])
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.spec.moe is not None and self.spec.moe.is_sparse_layer(self.config, layer)
+
+    def mlp_roles(self, layer: int) -> list[tuple]:
+        """Roles of the feed-forward block of ``layer``; for MoE layers as (role, expert) pairs."""
+        if not self.is_moe_layer(layer):
+            return ["ffn_norm", "gate", "up", "down"]
+        moe = self.spec.moe
+        roles = ["ffn_norm", "router"]
+        roles += ["shared_gate", "shared_up", "shared_down"] if moe.shared_expert else []
+        roles += ["shared_expert_gate"] if moe.shared_expert_gate else []
+        return roles + [(r, e) for e in range(self.num_experts) for r in ("expert_gate", "expert_up", "expert_down")]
+
+    @property
+    def num_experts(self) -> int:
+        return self.spec.moe.num_experts(self.config) if self.spec.moe else 0
 
     def close(self) -> None:
         pass
@@ -170,14 +194,14 @@ class SafetensorsCheckpoint(SourceCheckpoint):
                     raise CheckpointError(f"{self.path / shard}: index says it holds {name!r} but it does not")
         self._weight_map = weight_map
 
-    def name_of(self, role, layer=None, part="weight"):
-        return _tensor_name(HF_LAYER_ROLES, HF_GLOBAL_ROLES, HF_LAYER_PREFIX, role, layer, part)
+    def name_of(self, role, layer=None, part="weight", expert=None):
+        return _tensor_name(self.spec.hf_role_names(), HF_GLOBAL_ROLES, HF_LAYER_PREFIX, role, layer, part, expert)
 
     def tensor_names(self):
         return set(self._weight_map)
 
-    def get(self, role, layer=None, part="weight", dtype=torch.float64):
-        name = self.name_of(role, layer, part)
+    def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
+        name = self.name_of(role, layer, part, expert)
         shard = self._weight_map.get(name)
         if shard is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint index")
@@ -227,13 +251,13 @@ class GGUFCheckpoint(SourceCheckpoint):
         self.config = cfg
         self.chat_template = parsed.get("tokenizer_config", {}).get("chat_template")
 
-    def name_of(self, role, layer=None, part="weight"):
+    def name_of(self, role, layer=None, part="weight", expert=None):
         return _tensor_name(GGUF_LAYER_ROLES, GGUF_GLOBAL_ROLES, GGUF_LAYER_PREFIX, role, layer, part)
 
     def tensor_names(self):
         return set(self._tensors)
 
-    def get(self, role, layer=None, part="weight", dtype=torch.float64):
+    def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
         import gguf
 
         name = self.name_of(role, layer, part)

@@ -32,6 +32,8 @@ class ObfuscationParams:
                        the thousands, which breaks fp16/bf16/8-bit serving, see docs/design.md)
     vo_scale_range     singular values of a conditioned U_vo are log-uniform in [1/r, r]
     head_permutation   sample tau_kv and tau_group (exact, always on unless disabled for debugging)
+    router_normalize   MoE: scale every expert's router vector to unit norm before permuting (the paper's text).
+                       It changes which experts are chosen (docs/moe-mla.md), so it is off: the exact variant
     """
 
     alpha_e: float = 0.0
@@ -49,6 +51,7 @@ class ObfuscationParams:
     vo_mixing: str = "conditioned"
     vo_scale_range: float = 2.0
     head_permutation: bool = True
+    router_normalize: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +86,7 @@ class ObfuscationParams:
             and self.beta == 1
             and self.c_scale == 0
             and self.e_scale == 0
+            and not self.router_normalize
         )
 
     def replace(self, **overrides: Any) -> "ObfuscationParams":

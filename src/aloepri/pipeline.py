@@ -12,12 +12,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .archs import ArchSpec
+from .archs import LINEAR_ROLES, ArchSpec
 from .checkpoint import AtomicOutputDir, CheckpointError, ShardedWriter, SourceCheckpoint, open_checkpoint
 from .keyfile import KeyFile, check_key_outside, write_key
 from .params import ObfuscationParams
 from .secrets import ModelShape, SecretSampler
-from .transforms import obfuscate_attention, obfuscate_embedding, obfuscate_head, obfuscate_mlp
+from .transforms import (obfuscate_attention, obfuscate_embedding, obfuscate_head, obfuscate_mla, obfuscate_mlp,
+                         obfuscate_router, transform_reader_input)
 
 MODEL_META_FILE = "aloepri_model.json"  # public metadata in the server directory: no secret inside
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -40,10 +41,18 @@ def model_shape(cfg: dict[str, Any], spec: ArchSpec) -> ModelShape:
     d = int(cfg["hidden_size"])
     rope = cfg.get("rope_parameters") or {}
     rope_base = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    mla = {}
+    if spec.attention == "mla":
+        mla = dict(q_lora_rank=int(cfg.get("q_lora_rank") or 0), kv_lora_rank=int(cfg["kv_lora_rank"]),
+                   qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                   v_head_dim=int(cfg["v_head_dim"]),
+                   # DeepSeek-V2 always rotates adjacent pairs; V3 does when rope_interleave (its default)
+                   rope_interleaved=bool(cfg.get("rope_interleave", True)))
+    head_dim = int(cfg.get("head_dim") or d // heads) if spec.attention != "mla" else mla["qk_rope_head_dim"]
     return ModelShape(
         d=d, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or d // heads),
-        intermediate_size=int(cfg["intermediate_size"]), rope_base=rope_base, qk_norm=spec.qk_norm,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+        intermediate_size=int(cfg["intermediate_size"]), rope_base=rope_base, qk_norm=spec.qk_norm, **mla,
     )
 
 
@@ -59,10 +68,10 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if kw.get(k) is not None:
             kw[k] = _map_ids(kw[k], vocab_perm)
-    kw.update(
-        hidden_size=hidden, head_dim=shape.head_dim, tie_word_embeddings=False, rms_norm_eps=kappa_eps,
-        num_key_value_heads=shape.num_kv_heads,
-    )
+    kw.update(hidden_size=hidden, tie_word_embeddings=False, rms_norm_eps=kappa_eps,
+              num_key_value_heads=shape.num_kv_heads)
+    if spec.attention != "mla":  # MLA's head dims are its own keys (passed through); head_dim is derived
+        kw["head_dim"] = shape.head_dim
     if spec.output_model_type == "llama":
         kw["attention_bias"] = has_qkv_bias
         kw.setdefault("mlp_bias", False)
@@ -171,7 +180,8 @@ def obfuscate(
 
         has_qkv_bias = source.has("q", 0, "bias")
         for i in range(shape.num_layers):
-            flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, norm_const, has_qkv_bias, spec)
+            flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, norm_const, has_qkv_bias, spec,
+                                      params)
             steps.update(1)
         steps.close()
         writer.finish()
@@ -210,16 +220,47 @@ def obfuscate(
 
 def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: SecretSampler, i: int,
                      shape: ModelShape, out_dtype: torch.dtype, norm_const: torch.Tensor, has_qkv_bias: bool,
-                     spec: ArchSpec) -> float:
+                     spec: ArchSpec, params: ObfuscationParams) -> float:
+    """One decoder layer: attention (GQA or MLA), then the feed-forward block (dense or MoE). Returns FLOPs."""
     prefix = f"model.layers.{i}."
+    names = spec.hf_role_names()
+
+    def put(role: str, tensor: torch.Tensor, part: str = "weight", expert: int | None = None) -> None:
+        name = prefix + names[role].format(e=expert)
+        writer.add(name + f".{part}" if role in LINEAR_ROLES else name, tensor.to(out_dtype))
+
+    if spec.attention == "mla":
+        flops = _obfuscate_mla_layer(source, put, secrets, i, shape)
+    else:
+        flops = _obfuscate_gqa_layer(source, put, secrets, i, shape, has_qkv_bias, spec)
+    writer.add(prefix + "input_layernorm.weight", norm_const.clone())
+    if source.is_moe_layer(i):
+        flops += _obfuscate_moe_block(source, put, secrets, i, spec, params)
+    else:
+        flops += _obfuscate_dense_mlp(source, put, secrets, i, int(source.config["intermediate_size"]), "mlp",
+                                      ("gate", "up", "down"))
+    writer.add(prefix + "post_attention_layernorm.weight", norm_const.clone())
+    return flops
+
+
+def _linear_flops(D: int, *weights: torch.Tensor) -> float:
+    """A reader (out, d) -> (out, D) or writer (d, in) -> (D, in) transform costs 2 * numel * D."""
+    return float(sum(2.0 * w.numel() * D for w in weights))
+
+
+def _biases(source: SourceCheckpoint, i: int, roles: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {f"{r}_bias": source.get(r, i, "bias") for r in roles if source.has(r, i, "bias")}
+
+
+def _obfuscate_gqa_layer(source, put, secrets: SecretSampler, i: int, shape: ModelShape, has_qkv_bias: bool,
+                         spec: ArchSpec) -> float:
     attn_norm = source.get("attn_norm", i)
     w = {r: source.get(r, i) for r in ("q", "k", "v", "o")}
-    for r in ("q", "k", "v", "o"):
-        if source.has(r, i, "bias"):
-            w[f"{r}_bias"] = source.get(r, i, "bias")
+    w.update(_biases(source, i, ("q", "k", "v", "o")))
     if spec.qk_norm:
         w["q_norm"] = source.get("q_norm", i)
         w["k_norm"] = source.get("k_norm", i)
+    flops = _linear_flops(secrets.hidden_size, *(w[r] for r in ("q", "k", "v", "o")))
     attn = obfuscate_attention(
         w, attn_norm, secrets.reader_Q("q", i), secrets.reader_Q("k", i), secrets.reader_Q("v", i),
         secrets.writer_P("o", i), secrets.attention(i), shape.num_heads, shape.num_kv_heads, shape.head_dim,
@@ -227,27 +268,73 @@ def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: S
     if has_qkv_bias and spec.output_model_type == "llama" and "o_bias" not in attn:
         # Llama's attention_bias switch also declares o_proj.bias; Qwen2 has none, so it is zero (and stays zero).
         attn["o_bias"] = torch.zeros(attn["o"].shape[0], dtype=torch.float64)
-    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
     for key, tensor in attn.items():
-        if key in ("q_norm", "k_norm"):
-            name = f"self_attn.{key}.weight"
-        elif key.endswith("_bias"):
-            name = names[key[:-5]] + ".bias"
+        if key.endswith("_bias"):
+            put(key[:-5], tensor, "bias")
         else:
-            name = names[key] + ".weight"
-        writer.add(prefix + name, tensor.to(out_dtype))
-    del w, attn
-    ffn_norm = source.get("ffn_norm", i)
-    perm, scale = secrets.mlp(i)
-    gate, up, down = obfuscate_mlp(
-        source.get("gate", i), source.get("up", i), source.get("down", i), ffn_norm,
-        secrets.reader_Q("gate", i), secrets.reader_Q("up", i), secrets.writer_P("down", i), perm, scale,
+            put(key, tensor)
+    return flops
+
+
+def _obfuscate_mla_layer(source, put, secrets: SecretSampler, i: int, shape: ModelShape) -> float:
+    roles = [r for r in source.attention_roles(i) if r != "attn_norm"]
+    w = {r: source.get(r, i) for r in roles}
+    w.update(_biases(source, i, ("q_a", "kv_a", "o")))
+    flops = _linear_flops(secrets.hidden_size, *(w[r] for r in ("q_a", "q", "kv_a", "o") if r in w))
+    q_reader = "q_a" if "q_a" in w else "q"
+    attn = obfuscate_mla(
+        w, source.get("attn_norm", i), secrets.reader_Q(q_reader, i), secrets.reader_Q("kv_a", i),
+        secrets.writer_P("o", i), secrets.mla(i), shape.num_heads, shape.qk_nope_head_dim, shape.qk_rope_head_dim,
+        shape.v_head_dim, shape.kv_lora_rank,
     )
-    writer.add(prefix + "mlp.gate_proj.weight", gate.to(out_dtype))
-    writer.add(prefix + "mlp.up_proj.weight", up.to(out_dtype))
-    writer.add(prefix + "mlp.down_proj.weight", down.to(out_dtype))
-    writer.add(prefix + "input_layernorm.weight", norm_const.clone())
-    writer.add(prefix + "post_attention_layernorm.weight", norm_const.clone())
-    d, D, f = shape.d, secrets.hidden_size, shape.intermediate_size
-    qkv_out = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    return 2.0 * D * d * (qkv_out + 2 * f) + 2.0 * d * D * (shape.num_heads * shape.head_dim + f)
+    for key, tensor in attn.items():
+        if key.endswith("_bias"):
+            put(key[:-5], tensor, "bias")
+        else:
+            put(key, tensor)
+    return flops
+
+
+def _obfuscate_dense_mlp(source, put, secrets: SecretSampler, i: int, size: int, label: str,
+                         roles: tuple[str, str, str], expert: int | None = None, slot: int | None = None) -> float:
+    """One SwiGLU block (a dense MLP, a shared expert or a routed expert): Z_ffn and H_ffn of its own.
+    A routed expert is read under its stored index ``expert`` and written into its new ``slot``."""
+    gate_r, up_r, down_r = roles
+    gate, up, down = (source.get(r, i, expert=expert) for r in roles)
+    labels = (label, i) if expert is None else (label, i, expert)
+    perm, scale = secrets.ffn(size, *labels)
+    g, u, dn = obfuscate_mlp(gate, up, down, source.get("ffn_norm", i), secrets.reader_Q(gate_r, *labels[1:]),
+                             secrets.reader_Q(up_r, *labels[1:]), secrets.writer_P(down_r, *labels[1:]), perm, scale)
+    put(gate_r, g, expert=slot)
+    put(up_r, u, expert=slot)
+    put(down_r, dn, expert=slot)
+    return _linear_flops(secrets.hidden_size, gate, up, down)
+
+
+def _obfuscate_moe_block(source, put, secrets: SecretSampler, i: int, spec: ArchSpec,
+                         params: ObfuscationParams) -> float:
+    """Router (input-side key matrix, experts permuted by Z_router), every routed expert as a dense SwiGLU block
+    in its new slot, the shared expert(s) and the shared expert's gate. One expert in memory at a time."""
+    moe, cfg = spec.moe, source.config
+    n = source.num_experts
+    groups = int(cfg.get(moe.expert_groups_key) or 1) if moe.expert_groups_key else 1
+    order = secrets.expert_order(i, n, groups)
+    ffn_norm = source.get("ffn_norm", i)
+    router = source.get("router", i)
+    put("router", obfuscate_router(router, ffn_norm, secrets.reader_Q("router", i), order,
+                                   normalize=params.router_normalize))
+    flops = _linear_flops(secrets.hidden_size, router)
+    if moe.router_bias:
+        put("router_bias", source.get("router_bias", i)[torch.from_numpy(order)])
+    size = int(cfg[moe.expert_intermediate_key])
+    for slot, old in enumerate(order):
+        flops += _obfuscate_dense_mlp(source, put, secrets, i, size, "expert",
+                                      ("expert_gate", "expert_up", "expert_down"), expert=int(old), slot=slot)
+    if moe.shared_expert:
+        flops += _obfuscate_dense_mlp(source, put, secrets, i, moe.shared_intermediate_size(cfg), "shared",
+                                      ("shared_gate", "shared_up", "shared_down"))
+    if moe.shared_expert_gate:
+        g = source.get("shared_expert_gate", i)
+        put("shared_expert_gate", transform_reader_input(g, ffn_norm, secrets.reader_Q("shared_expert_gate", i)))
+        flops += _linear_flops(secrets.hidden_size, g)
+    return flops

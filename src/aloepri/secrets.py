@@ -7,7 +7,8 @@ import numpy as np
 
 from . import keymat
 from .params import ObfuscationParams
-from .transforms import AttentionSecrets, pair_permutation_matrix, rope_pair_rotation
+from .transforms import (AttentionSecrets, MLASecrets, pair_permutation_matrix, pair_scaling,
+                         rope_pair_rotation)
 
 
 @dataclass
@@ -21,6 +22,13 @@ class ModelShape:
     intermediate_size: int
     rope_base: float
     qk_norm: bool
+    # multi-head latent attention (DeepSeek); zero when absent
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleaved: bool = False
 
 
 def effective_h(d: int, h: int, num_heads: int) -> int:
@@ -120,11 +128,45 @@ class SecretSampler:
         dh, p = self.shape.head_dim, self.params
         if p.vo_mixing == "gaussian":  # the paper's choice
             return rng.normal(0.0, 1.0 / np.sqrt(dh), (dh, dh))
-        singular = keymat.log_uniform(rng, dh, p.vo_scale_range)
-        return keymat.haar_orthogonal(rng, dh) @ np.diag(singular) @ keymat.haar_orthogonal(rng, dh)
+        return self._conditioned(rng, dh, p.vo_scale_range)
 
     def mlp(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        rng = self.rng("mlp", layer)
-        perm = rng.permutation(self.shape.intermediate_size)
-        scale = keymat.log_uniform(rng, self.shape.intermediate_size, self.params.ffn_scale_range)
-        return perm, scale
+        return self.ffn(self.shape.intermediate_size, "mlp", layer)
+
+    def ffn(self, size: int, *labels: object) -> tuple[np.ndarray, np.ndarray]:
+        """Z_ffn (a permutation of the ``size`` hidden units) and H_ffn of one feed-forward block."""
+        rng = self.rng(*labels)
+        return rng.permutation(size), keymat.log_uniform(rng, size, self.params.ffn_scale_range)
+
+    def expert_order(self, layer: int, num_experts: int, groups: int = 1) -> np.ndarray:
+        """Z_router: new expert slot s holds old expert order[s]. With ``groups`` > 1 (DeepSeek's group-limited
+        routing over consecutive experts) groups map onto groups: permute the groups, then inside each group."""
+        if num_experts % groups:
+            raise ValueError(f"{num_experts} experts do not split into {groups} groups")
+        rng = self.rng("experts", layer)
+        size = num_experts // groups
+        group_order = rng.permutation(groups)
+        return np.concatenate([g * size + rng.permutation(size) for g in group_order])
+
+    def mla(self, layer: int) -> MLASecrets:
+        s, p = self.shape, self.params
+        rng = self.rng("mla", layer)
+        heads = rng.permutation(s.num_heads) if p.head_permutation else np.arange(s.num_heads)
+        q_latent = keymat.haar_orthogonal(rng, s.q_lora_rank) if s.q_lora_rank else None
+        kv_latent = keymat.haar_orthogonal(rng, s.kv_lora_rank)
+        nope = [self._conditioned(rng, s.qk_nope_head_dim, p.qk_scale_range) for _ in range(s.num_heads)]
+        half = s.qk_rope_head_dim // 2
+        R = rope_pair_rotation(rng.uniform(0.0, 2 * np.pi, half), s.rope_interleaved)
+        H = keymat.log_uniform(rng, half, p.qk_scale_range)
+        Zb = pair_permutation_matrix(keymat.block_permutation(rng, half, p.beta, p.gamma, s.rope_base),
+                                     s.rope_interleaved)
+        rope_q = R @ pair_scaling(H, s.rope_interleaved) @ Zb
+        rope_k = R @ pair_scaling(1.0 / H, s.rope_interleaved) @ Zb
+        v = [self._conditioned(rng, s.v_head_dim, p.vo_scale_range) for _ in range(s.num_heads)]
+        return MLASecrets(heads, q_latent, kv_latent, nope, rope_q, rope_k, v)
+
+    @staticmethod
+    def _conditioned(rng: np.random.Generator, n: int, max_ratio: float) -> np.ndarray:
+        """O1 diag(s) O2 with s log-uniform in [1/r, r]: invertible with condition number <= r^2."""
+        singular = keymat.log_uniform(rng, n, max_ratio)  # drawn first: keeps the secrets of existing seeds
+        return keymat.haar_orthogonal(rng, n) @ np.diag(singular) @ keymat.haar_orthogonal(rng, n)

@@ -120,30 +120,47 @@ class AttentionSecrets:
         return out
 
 
-def rope_pair_rotation(angles: np.ndarray) -> np.ndarray:
-    """Block rotation acting on the RoPE pairs as Hugging Face pairs them: dims (i, i + dh/2).
+def rope_pairs(half: int, interleaved: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Dimension indices (a_j, b_j) of RoPE pair j: Hugging Face's (j, j + dh/2), or adjacent (2j, 2j + 1) when the
+    model rotates interleaved pairs (DeepSeek's ``rope_interleave``, llama.cpp)."""
+    j = np.arange(half)
+    return (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+
+
+def rope_pair_rotation(angles: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    """Block rotation acting on the RoPE pairs.
 
     Each 2x2 block is in SO(2), so it commutes with RoPE's own rotation of that pair, and applying the same
     rotation to q and k leaves q.k unchanged.
     """
     half = len(angles)
+    a, b = rope_pairs(half, interleaved)
     R = np.zeros((2 * half, 2 * half))
     c, s = np.cos(angles), np.sin(angles)
-    i = np.arange(half)
-    R[i, i] = c
-    R[i, i + half] = s
-    R[i + half, i] = -s
-    R[i + half, i + half] = c
+    R[a, a] = c
+    R[a, b] = s
+    R[b, a] = -s
+    R[b, b] = c
     return R
 
 
-def pair_permutation_matrix(order: np.ndarray) -> np.ndarray:
-    """Permutation of RoPE pairs in HF layout: new pair j takes old pair order[j] (both of its dims)."""
+def pair_permutation_matrix(order: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    """Permutation of RoPE pairs: new pair j takes old pair order[j] (both of its dims)."""
     half = len(order)
-    idx = np.concatenate([order, order + half])
+    a, b = rope_pairs(half, interleaved)
+    src = np.empty(2 * half, dtype=int)
+    src[a], src[b] = a[order], b[order]
     M = np.zeros((2 * half, 2 * half))
-    M[idx, np.arange(2 * half)] = 1.0
+    M[src, np.arange(2 * half)] = 1.0
     return M
+
+
+def pair_scaling(scales: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    """Diagonal matrix scaling both dims of RoPE pair j by scales[j] (commutes with RoPE's rotation)."""
+    a, b = rope_pairs(len(scales), interleaved)
+    v = np.empty(2 * len(scales))
+    v[a], v[b] = scales, scales
+    return np.diag(v)
 
 
 def obfuscate_attention(
@@ -216,3 +233,104 @@ def obfuscate_mlp(
     u = (transform_reader_input(up, norm_weight, Q_up) * scale[:, None])[perm]
     d = transform_writer_output(down / scale[None, :], P_down)[:, perm]
     return g, u, d
+
+
+# --- mixture of experts ----------------------------------------------------------------------------------
+
+
+def obfuscate_router(weight: Tensor, norm_weight: Tensor, Q: np.ndarray, expert_order: np.ndarray,
+                     normalize: bool = False) -> Tensor:
+    """W~_router = Q diag(w) W_router' Z_router: new expert slot s holds old expert expert_order[s].
+
+    ``normalize`` is the paper's variant: each expert's router vector is scaled to unit norm first. That changes
+    the router logits, hence which experts are chosen (measured in docs/moe-mla.md); off by default.
+    """
+    w = weight
+    if normalize:
+        w = w / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return transform_reader_input(w, norm_weight, Q)[torch.from_numpy(np.asarray(expert_order))]
+
+
+# --- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLASecrets:
+    """Secrets of one MLA layer (math layout: row vectors times matrices).
+
+    head_order[s]  old head placed in new head slot s (all heads share the latent kv and the rope key)
+    q_latent       orthogonal map of the q latent (q_lora_rank); None without q_lora. RMS-preserving, so the
+                   q_a_layernorm stays exact; its weight moves into q_b
+    kv_latent      orthogonal map of the compressed kv latent (kv_lora_rank), same reasoning for kv_a_layernorm
+    nope_maps[i]   invertible (d_nope x d_nope) map of old head i's non-rotary q/k part: q gets M, k gets M^-T
+    rope_q/rope_k  (d_rope x d_rope) maps of the rotary part, R H Zb and R H^-1 Zb; shared by all heads because
+                   the rotary key is one vector shared by every head (MQA-style)
+    v_maps[i]      invertible (d_v x d_v) map of old head i's value; o gets its inverse
+    """
+
+    head_order: np.ndarray
+    q_latent: np.ndarray | None
+    kv_latent: np.ndarray
+    nope_maps: list[np.ndarray]
+    rope_q: np.ndarray
+    rope_k: np.ndarray
+    v_maps: list[np.ndarray]
+
+
+def _per_head_columns(w_math: Tensor, num_heads: int, widths: tuple[int, ...], maps: list[list[np.ndarray]],
+                      head_order: np.ndarray) -> Tensor:
+    """Columns of ``w_math`` are heads of ``sum(widths)`` dims split into parts; part p of old head i is multiplied
+    by maps[i][p]; heads are then reordered (new slot s = old head head_order[s])."""
+    per = sum(widths)
+    blocks = w_math.reshape(w_math.shape[0], num_heads, per)
+    out = []
+    for i in head_order:
+        parts, start = [], 0
+        for p, width in enumerate(widths):
+            parts.append(blocks[:, i, start:start + width] @ _t(maps[i][p]))
+            start += width
+        out.append(torch.cat(parts, dim=1))
+    return torch.cat(out, dim=1)
+
+
+def obfuscate_mla(
+    w: dict[str, Tensor], norm_weight: Tensor, Q_q: np.ndarray, Q_kv: np.ndarray, P_o: np.ndarray,
+    secrets: MLASecrets, num_heads: int, nope_dim: int, rope_dim: int, v_dim: int, kv_rank: int,
+) -> dict[str, Tensor]:
+    """Covariant obfuscation of one MLA layer (design and proof: docs/moe-mla.md).
+
+    ``w`` (HF layout) holds q_a/q_a_norm/q_b (or q), kv_a/kv_a_norm/kv_b, o and optional q_a/kv_a/o biases.
+    Returns the same keys; the inner norm weights come back as ones (they are fused into q_b / kv_b).
+    """
+    out: dict[str, Tensor] = {}
+    nope_inv_t = [np.linalg.inv(m).T for m in secrets.nope_maps]
+    q_maps = [[secrets.nope_maps[i], secrets.rope_q] for i in range(num_heads)]
+    if "q_a" in w:
+        O = _t(secrets.q_latent)
+        out["q_a"] = O.T @ transform_reader_input(w["q_a"], norm_weight, Q_q)  # math: Q diag(w) W_qa O
+        if "q_a_bias" in w:
+            out["q_a_bias"] = w["q_a_bias"] @ O
+        out["q_a_norm"] = torch.ones_like(w["q_a_norm"])
+        qb_math = O.T @ (w["q_b"] * w["q_a_norm"][None, :]).T  # math: O^T diag(w_qa) W_qb
+        out["q_b"] = _per_head_columns(qb_math, num_heads, (nope_dim, rope_dim), q_maps, secrets.head_order).T.contiguous()
+    else:
+        q_math = transform_reader_input(w["q"], norm_weight, Q_q).T
+        out["q"] = _per_head_columns(q_math, num_heads, (nope_dim, rope_dim), q_maps, secrets.head_order).T.contiguous()
+
+    kv_math = transform_reader_input(w["kv_a"], norm_weight, Q_kv).T  # (D, kv_rank + rope_dim)
+    Okv = _t(secrets.kv_latent)
+    out["kv_a"] = torch.cat([kv_math[:, :kv_rank] @ Okv, kv_math[:, kv_rank:] @ _t(secrets.rope_k)], dim=1).T.contiguous()
+    if "kv_a_bias" in w:
+        b = w["kv_a_bias"]
+        out["kv_a_bias"] = torch.cat([b[:kv_rank] @ Okv, b[kv_rank:] @ _t(secrets.rope_k)])
+    out["kv_a_norm"] = torch.ones_like(w["kv_a_norm"])
+    kvb_math = Okv.T @ (w["kv_b"] * w["kv_a_norm"][None, :]).T  # (kv_rank, H (nope + v))
+    kv_maps = [[nope_inv_t[i], secrets.v_maps[i]] for i in range(num_heads)]
+    out["kv_b"] = _per_head_columns(kvb_math, num_heads, (nope_dim, v_dim), kv_maps, secrets.head_order).T.contiguous()
+
+    o_math = w["o"].T.reshape(num_heads, v_dim, -1)  # rows of head i
+    o_rows = torch.cat([_t(np.linalg.inv(secrets.v_maps[i])) @ o_math[i] for i in secrets.head_order])
+    out["o"] = (o_rows @ _t(P_o)).T.contiguous()
+    if "o_bias" in w:
+        out["o_bias"] = transform_writer_bias(w["o_bias"], P_o)
+    return out
