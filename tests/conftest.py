@@ -55,6 +55,29 @@ def _deepseek_v3_router_forward(self, hidden_states):
     return logits, w * self.routed_scaling_factor, idx
 
 
+def _deepseek_v2_router_forward(self, hidden_states):
+    """DeepSeek-V2 softmax router (greedy or group-limited greedy), in the input dtype."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype))
+    scores = logits.softmax(dim=-1)
+    if self.topk_method == "group_limited_greedy":
+        groups = scores.view(-1, self.num_group, self.num_experts // self.num_group).max(dim=-1).values
+        gidx = torch.topk(groups, k=self.topk_group, dim=-1, sorted=False)[1]
+        gmask = torch.zeros_like(groups).scatter_(1, gidx, 1)
+        smask = gmask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+        scores = scores.masked_fill(~smask.bool(), 0.0)
+    w, idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+    return logits, w * self.routed_scaling_factor, idx
+
+
+def _complex_rope_in_input_dtype(xq, xk, freqs_cis):
+    """DeepSeek-V2's complex-number RoPE without its float32 downcast."""
+    def rot(x):
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(xc * freqs_cis.unsqueeze(1).to(xc.dtype)).flatten(3)
+    return rot(xq), rot(xk)
+
+
 @contextlib.contextmanager
 def rmsnorm_in_input_dtype():
     """Stock HF RMSNorm (and MoE routers) upcast to float32, downcasting float64; compute in the input dtype
@@ -78,14 +101,20 @@ def rmsnorm_in_input_dtype():
                 patches.append((cls, _softmax_topk_router_forward))
             elif attr == "DeepseekV3TopkRouter":
                 patches.append((cls, _deepseek_v3_router_forward))
+            elif attr == "DeepseekV2TopkRouter":
+                patches.append((cls, _deepseek_v2_router_forward))
     saved = [(c, c.__dict__["forward"]) for c, _ in patches]
     for c, f in patches:
         c.forward = f
+    v2 = importlib.import_module("transformers.models.deepseek_v2.modeling_deepseek_v2")
+    saved_rope = v2.apply_rotary_emb
+    v2.apply_rotary_emb = _complex_rope_in_input_dtype
     try:
         yield
     finally:
         for c, f in saved:
             c.forward = f
+        v2.apply_rotary_emb = saved_rope
 
 
 def smollm2_or_skip():

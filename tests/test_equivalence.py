@@ -8,10 +8,19 @@ from transformers import AutoModelForCausalLM
 
 import aloepri
 from conftest import rmsnorm_in_input_dtype
-from tiny_models import TINY_ARCHS
+from tiny_models import MOE_ARCHS, TINY_ARCHS
 
 EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "llama_bias": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v3_noqlora": "DeepseekV3ForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM"}
+
+
+def load64(path, arch):
+    """float64 through the stock class; MoE experts with the eager kernel (the grouped-mm one has no float64)."""
+    extra = {"experts_implementation": "eager"} if arch in MOE_ARCHS else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **extra).eval()
 
 
 def _logits(model, ids):
@@ -38,14 +47,13 @@ def obfuscated(tiny_dir, tmp_path_factory):
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
 def test_exact_preset_reproduces_logits(arch, tiny_dir, obfuscated):
     out, key = obfuscated(arch)
-    plain = AutoModelForCausalLM.from_pretrained(tiny_dir(arch), dtype=torch.float64).eval()
-    obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)
     assert type(obf).__name__ == EXPECTED_CLASS[arch]  # loads with the stock class, no custom code
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False and cfg["hidden_size"] == key.hidden_size
     assert cfg["hidden_size"] > plain.config.hidden_size and cfg["hidden_size"] % cfg["num_attention_heads"] == 0
     for name, p in obf.named_parameters():  # every norm weight is a constant vector
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":  # incl. MLA q_a/kv_a norms
             assert torch.all(p == p[0]), name
 
     ids = torch.randint(0, plain.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(1))

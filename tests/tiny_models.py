@@ -47,9 +47,16 @@ TINY_ARCHS = {
         topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, rope_interleave=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # DeepSeek-V2: softmax router with group-limited greedy top-k, RoPE on adjacent pairs (complex form)
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=6, head_dim=None,
+        moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, topk_method="group_limited_greedy", first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
-MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_noqlora")
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_noqlora", "deepseek_v2")
 
 
 def build_tiny(arch: str, directory: Path, seed: int = 0) -> Path:

@@ -247,6 +247,10 @@ def export_gguf(model_dir: str | Path, outfile: str | Path, qtype: str = "f32", 
         spec = spec_for_hf(cfg.get("architectures"))
     except UnsupportedArchitectureError as e:
         raise GGUFExportError(f"GGUF export: {e}") from e
+    if not spec.gguf_export:
+        raise GGUFExportError(f"GGUF export supports dense Llama/Mistral/Qwen2/Qwen3 models; {spec.name} (MoE or MLA) "
+                              "is served from the obfuscated safetensors directory (transformers/vLLM/SGLang, "
+                              "docs/moe-mla.md)")
     if spec.name not in GGUF_ARCH or cfg.get("model_type") not in ("llama", "mistral", "qwen3"):
         raise GGUFExportError(f"GGUF export supports obfuscated Llama/Mistral/Qwen3 directories, not {cfg.get('architectures')}")
     arch = GGUF_ARCH[spec.name]

@@ -40,6 +40,17 @@ def effective_h(d: int, h: int, num_heads: int) -> int:
     return hh if hh % 2 == 0 else effective_h(d, hh + 1, num_heads)
 
 
+def expert_order(seed: int, layer: int, num_experts: int, groups: int = 1) -> np.ndarray:
+    """Z_router of one MoE layer (see SecretSampler.expert_order); a function of the seed alone, so the key holder
+    can map routing decisions without the model's shape."""
+    if num_experts % groups:
+        raise ValueError(f"{num_experts} experts do not split into {groups} groups")
+    rng = keymat.derive_rng(seed, "experts", layer)
+    size = num_experts // groups
+    group_order = rng.permutation(groups)
+    return np.concatenate([g * size + rng.permutation(size) for g in group_order])
+
+
 class SecretSampler:
     """All secrets of one (seed, params, shape). Calling a method twice returns the same secret."""
 
@@ -141,12 +152,7 @@ class SecretSampler:
     def expert_order(self, layer: int, num_experts: int, groups: int = 1) -> np.ndarray:
         """Z_router: new expert slot s holds old expert order[s]. With ``groups`` > 1 (DeepSeek's group-limited
         routing over consecutive experts) groups map onto groups: permute the groups, then inside each group."""
-        if num_experts % groups:
-            raise ValueError(f"{num_experts} experts do not split into {groups} groups")
-        rng = self.rng("experts", layer)
-        size = num_experts // groups
-        group_order = rng.permutation(groups)
-        return np.concatenate([g * size + rng.permutation(size) for g in group_order])
+        return expert_order(self.seed, layer, num_experts, groups)
 
     def mla(self, layer: int) -> MLASecrets:
         s, p = self.shape, self.params
