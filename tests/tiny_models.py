@@ -59,11 +59,12 @@ TINY_ARCHS = {
 MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_noqlora", "deepseek_v2")
 
 
-def build_tiny(arch: str, directory: Path, seed: int = 0) -> Path:
+def build_tiny(arch: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    """``overrides`` change config values (benchmarks build wider/deeper variants of the same architectures)."""
     import transformers
 
     cfg_name, model_name, extra = TINY_ARCHS[arch]
-    kwargs = {**TINY_COMMON, **extra}
+    kwargs = {**TINY_COMMON, **extra, **overrides}
     cfg = getattr(transformers, cfg_name)(**{k: v for k, v in kwargs.items() if v is not None})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).to(torch.float64)

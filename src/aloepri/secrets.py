@@ -59,6 +59,8 @@ class SecretSampler:
         self.h = effective_h(shape.d, params.h, shape.num_heads)
         self.base = keymat.init_key_base(self.rng("base"), shape.d, self.h, params.lam, params.e_scale)
         self._shared_P = keymat.key_matrix(self.base, keymat.sample_C(self.rng("C", "shared"), self.base, params.c_scale))
+        self._Q_common: np.ndarray | None = None
+        self._P_common: np.ndarray | None = None
 
     def rng(self, *labels: object) -> np.random.Generator:
         return keymat.derive_rng(self.seed, *labels)
@@ -73,10 +75,23 @@ class SecretSampler:
     def writer_P(self, *labels: object) -> np.ndarray:
         if self.params.shared_c:
             return self._shared_P
-        return keymat.key_matrix(self.base, keymat.sample_C(self.rng("C", *labels), self.base, self.params.c_scale))
+        # fresh C per writer: P = s([B 0 E] Z) + s C Z[d:d+h], the first term shared by all writers
+        b = self.base
+        C = keymat.sample_C(self.rng("C", *labels), b, self.params.c_scale)
+        if self._P_common is None:
+            self._P_common = keymat.key_matrix(b, np.zeros_like(C))
+        return self._P_common + b.scale * (C @ b.Z[b.d: b.d + b.h])
 
     def reader_Q(self, *labels: object) -> np.ndarray:
-        return keymat.inverse_key_matrix(self.base, keymat.sample_D(self.rng("D", *labels), self.base))
+        """Q = Z^T [B^-1; F; D] / s with a fresh D per reader. Only D differs between readers, so the common part
+        is computed once: a reader then costs 2(d+2h)hd flops instead of 2(d+2h)^2 d (it matters with hundreds
+        of experts per layer, each with two readers)."""
+        if self._Q_common is None:
+            b = self.base
+            self._Q_common = b.Z.T[:, : b.d + b.h] @ np.concatenate([b.B_inv, b.F], axis=0) / b.scale
+        b = self.base
+        D = keymat.sample_D(self.rng("D", *labels), b)
+        return self._Q_common + (b.Z.T[:, b.d + b.h:] @ D) / b.scale
 
     def kappa(self, calibration_rows: np.ndarray | None = None) -> float:
         """Constant RMSNorm weight: kappa = sqrt(d/D) * E||xP|| / ||x||.
