@@ -18,9 +18,18 @@ EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "llama_bias": "LlamaForCausalLM",
 
 
 def load64(path, arch):
-    """float64 through the stock class; MoE experts with the eager kernel (the grouped-mm one has no float64)."""
+    """float64 through the stock class; MoE experts with the eager kernel (the grouped-mm one has no float64),
+    RoPE frequencies recomputed in float64 (stock code computes them in float32, which would hide the obfuscation's
+    own error below float32 rounding of theta^x -- relevant where head padding changes theta)."""
     extra = {"experts_implementation": "eager"} if arch in MOE_ARCHS else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **extra).eval()
+    rope = model.model.rotary_emb
+    params = model.config.rope_parameters or {}
+    if params.get("rope_type", "default") == "default":
+        dim = 2 * rope.inv_freq.numel()
+        rope.inv_freq = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        rope.original_inv_freq = rope.inv_freq
+    return model
 
 
 def _logits(model, ids):

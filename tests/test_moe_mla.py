@@ -126,3 +126,25 @@ def test_missing_expert_tensor_is_reported_before_writing(tiny_dir, tmp_path):
         aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", aloepri.resolve_params("exact"), seed=1,
                           progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "key.json").exists()
+
+
+def test_qwen2_moe_heads_are_padded_for_engines_that_derive_head_dim(tiny_dir, obfuscated_moe):
+    """vLLM/SGLang Qwen2-MoE compute head_dim = hidden_size // num_heads: the output must satisfy it exactly."""
+    import json
+
+    from safetensors.torch import load_file
+
+    out, key = obfuscated_moe("qwen2_moe")
+    cfg = json.loads((out / "config.json").read_text())
+    src = json.loads((tiny_dir("qwen2_moe") / "config.json").read_text())
+    padded = cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert cfg["head_dim"] == padded and padded * cfg["num_attention_heads"] == cfg["hidden_size"]
+    old = src["hidden_size"] // src["num_attention_heads"]
+    assert padded > old
+    assert cfg["rope_parameters"]["rope_theta"] == pytest.approx(src["rope_parameters"]["rope_theta"] ** (padded / old))
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    k = tensors["model.layers.0.self_attn.k_proj.weight"].reshape(cfg["num_key_value_heads"], padded, -1)
+    pad = list(range(old // 2, padded // 2)) + list(range(padded // 2 + old // 2, padded))
+    assert torch.count_nonzero(k[:, pad]) == 0 and torch.count_nonzero(k[:, : old // 2]) > 0

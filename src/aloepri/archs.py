@@ -131,6 +131,9 @@ class ArchSpec:
     moe: MoESpec | None = None
     hf_roles: dict[str, str] = field(default_factory=dict)  # overrides of HF_LAYER_ROLES / HF_MOE_MLA_ROLES
     gguf_export: bool = True  # `aloepri export-gguf` supports the output (dense GQA models only)
+    # Engines derive head_dim = hidden_size // num_heads for this architecture (vLLM and SGLang Qwen2-MoE): pad
+    # every head to (d + 2h) / num_heads so the output loads there unchanged (transforms.pad_attention_heads)
+    pad_heads: bool = False
 
     def hf_role_names(self) -> dict[str, str]:
         return {**HF_LAYER_ROLES, **HF_MOE_MLA_ROLES, **self.hf_roles}
@@ -178,7 +181,7 @@ register(ArchSpec("qwen2_moe", ("Qwen2MoeForCausalLM",), (), "qwen2_moe", "Qwen2
                   passthrough_config=_COMMON + _QWEN_MOE + ("shared_expert_intermediate_size", "qkv_bias"),
                   moe=MoESpec(("num_experts",), "sparse_step", shared_expert=True, shared_expert_gate=True,
                               shared_intermediate_key="shared_expert_intermediate_size"),
-                  gguf_export=False))
+                  gguf_export=False, pad_heads=True))
 register(ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), (), "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
                   passthrough_config=_COMMON + _QWEN_MOE + ("attention_bias",),
                   moe=MoESpec(("num_local_experts", "num_experts"), "sparse_step"), gguf_export=False))

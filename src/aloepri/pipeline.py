@@ -18,7 +18,7 @@ from .keyfile import KeyFile, check_key_outside, write_key
 from .params import ObfuscationParams
 from .secrets import ModelShape, SecretSampler
 from .transforms import (obfuscate_attention, obfuscate_embedding, obfuscate_head, obfuscate_mla, obfuscate_mlp,
-                         obfuscate_router, transform_reader_input)
+                         obfuscate_router, pad_attention_heads, padded_rope_theta, transform_reader_input)
 
 MODEL_META_FILE = "aloepri_model.json"  # public metadata in the server directory: no secret inside
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -70,7 +70,15 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
             kw[k] = _map_ids(kw[k], vocab_perm)
     kw.update(hidden_size=hidden, tie_word_embeddings=False, rms_norm_eps=kappa_eps,
               num_key_value_heads=shape.num_kv_heads)
-    if spec.attention != "mla":  # MLA's head dims are its own keys (passed through); head_dim is derived
+    if spec.pad_heads:  # heads padded to hidden / heads; RoPE base moved so every original pair keeps its frequency
+        padded = hidden // shape.num_heads
+        rope = dict(kw.get("rope_parameters") or {"rope_type": "default", "rope_theta": shape.rope_base})
+        if rope.get("rope_type", "default") not in ("default", "linear"):
+            raise ValueError(f"head padding ({spec.name}) keeps RoPE exact only for default/linear RoPE, not "
+                             f"{rope.get('rope_type')!r}")
+        rope["rope_theta"] = padded_rope_theta(shape.rope_base, shape.head_dim, padded)
+        kw.update(rope_parameters=rope, head_dim=padded)
+    elif spec.attention != "mla":  # MLA's head dims are its own keys (passed through); head_dim is derived
         kw["head_dim"] = shape.head_dim
     if spec.output_model_type == "llama":
         kw["attention_bias"] = has_qkv_bias
@@ -265,6 +273,9 @@ def _obfuscate_gqa_layer(source, put, secrets: SecretSampler, i: int, shape: Mod
         w, attn_norm, secrets.reader_Q("q", i), secrets.reader_Q("k", i), secrets.reader_Q("v", i),
         secrets.writer_P("o", i), secrets.attention(i), shape.num_heads, shape.num_kv_heads, shape.head_dim,
     )
+    if spec.pad_heads:
+        attn = pad_attention_heads(attn, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                   secrets.hidden_size // shape.num_heads, secrets.rng("head-padding", i))
     if has_qkv_bias and spec.output_model_type == "llama" and "o_bias" not in attn:
         # Llama's attention_bias switch also declares o_proj.bias; Qwen2 has none, so it is zero (and stays zero).
         attn["o_bias"] = torch.zeros(attn["o"].shape[0], dtype=torch.float64)

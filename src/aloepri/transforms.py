@@ -334,3 +334,49 @@ def obfuscate_mla(
     if "o_bias" in w:
         out["o_bias"] = transform_writer_bias(w["o_bias"], P_o)
     return out
+
+
+# --- head padding for engines that derive head_dim from hidden_size -------------------------------------
+
+
+def padded_rope_theta(theta: float, head_dim: int, padded_dim: int) -> float:
+    """RoPE base for padded heads: pair j of a padded head turns at theta'^(-2j/hd') = theta^(-2j/hd), the
+    frequency of the original pair j, when theta' = theta^(hd'/hd)."""
+    return float(theta) ** (padded_dim / head_dim)
+
+
+def pad_attention_heads(attn: dict[str, Tensor], num_heads: int, num_kv_heads: int, head_dim: int, padded_dim: int,
+                        rng: np.random.Generator) -> dict[str, Tensor]:
+    """Widen every head from ``head_dim`` to ``padded_dim`` = hidden_size / num_heads (exactly).
+
+    For engines whose attention derives head_dim = hidden_size // num_heads (vLLM/SGLang Qwen2-MoE): the original
+    dims of a head go to [0, hd/2) and [hd'/2, hd'/2 + hd/2), so Hugging Face's (j, j + hd'/2) RoPE pairing keeps
+    pair j with the frequency of padded_rope_theta; k and v get zero rows in the new dims (so the new dims add
+    nothing to q.k or to the output) while q and o get random ones there, and q is scaled by sqrt(hd'/hd) to keep
+    the 1/sqrt(head_dim) attention scaling. The zero rows show the server which dims are padding, nothing more.
+    """
+    half, phalf = head_dim // 2, padded_dim // 2
+    place = torch.from_numpy(np.concatenate([np.arange(half), phalf + np.arange(half)]))
+    q_scale = float(np.sqrt(padded_dim / head_dim))
+
+    def pad_rows(t: Tensor, n: int, random_fill: bool, scale: float = 1.0) -> Tensor:
+        blocks = (t * scale).reshape(n, head_dim, *t.shape[1:])
+        if random_fill:
+            std = float(blocks.std()) if blocks.numel() > 1 else 1.0
+            out = torch.from_numpy(rng.standard_normal((n, padded_dim, *t.shape[1:])) * std).to(t.dtype)
+        else:
+            out = torch.zeros((n, padded_dim, *t.shape[1:]), dtype=t.dtype)
+        out[:, place] = blocks
+        return out.reshape(n * padded_dim, *t.shape[1:])
+
+    out = dict(attn)
+    out["q"] = pad_rows(attn["q"], num_heads, True, q_scale)
+    out["k"] = pad_rows(attn["k"], num_kv_heads, False)
+    out["v"] = pad_rows(attn["v"], num_kv_heads, False)
+    if "q_bias" in attn:
+        out["q_bias"] = pad_rows(attn["q_bias"], num_heads, True, q_scale)
+    for r in ("k_bias", "v_bias"):
+        if r in attn:
+            out[r] = pad_rows(attn[r], num_kv_heads, False)
+    out["o"] = pad_rows(attn["o"].T, num_heads, True).T.contiguous()
+    return out
