@@ -5,7 +5,7 @@ No MoE or MLA checkpoint with real weights is available offline here, so fidelit
 models of each architecture (tests/tiny_models.py configs, widened: d=256, vocab 2048, 3-4 layers), float32
 through the stock classes; real-weight fidelity of the shared machinery is SmolLM2's (docs/design.md).
 
-Usage: python benchmarks/moe_mla.py [--parts fidelity normalize memory] [--threads 1]
+Usage: python benchmarks/moe_mla.py [--parts fidelity ablation normalize memory] [--threads 1]
 Results: benchmarks/results/moe_mla.json (resumable: finished entries are skipped)
 """
 from __future__ import annotations
@@ -26,8 +26,15 @@ from tiny_models import MOE_ARCHS, build_tiny  # noqa: E402
 RESULTS = Path(__file__).parent / "results" / "moe_mla.json"
 # default+noiseless: every key-matrix mechanism of `default` without the embedding/head noise, to separate the
 # (approximate) RMSNorm handling from the noise
-PRESET_VARIANTS = {"default+noiseless": dict(alpha_e=0.0, alpha_h=0.0)}
+PRESET_VARIANTS = {
+    "default+noiseless": dict(alpha_e=0.0, alpha_h=0.0),
+    # ablation of default+noiseless: which mechanism costs what
+    "default+noiseless+beta1": dict(alpha_e=0.0, alpha_h=0.0, beta=1),
+    "default+noiseless+lam0": dict(alpha_e=0.0, alpha_h=0.0, lam=0.0),
+    "default+noiseless+noCE": dict(alpha_e=0.0, alpha_h=0.0, c_scale=0.0, e_scale=0.0),
+}
 PRESETS = ("exact", "default+noiseless", "default", "paper")
+ABLATION = ("default+noiseless+beta1", "default+noiseless+lam0", "default+noiseless+noCE")
 WIDE = dict(vocab_size=2048, hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
             intermediate_size=512, max_position_embeddings=256)
 WIDE_PER_ARCH = {  # MLA heads have their own dims; MoE sizes scaled with the width
@@ -185,7 +192,7 @@ def memory(layers: int, experts: int, threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="*", default=["fidelity", "normalize", "memory"])
+    ap.add_argument("--parts", nargs="*", default=["fidelity", "ablation", "normalize", "memory"])
     ap.add_argument("--archs", nargs="*", default=["llama", "qwen3", *MOE_ARCHS])
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
@@ -206,6 +213,15 @@ def main() -> None:
                     res["fidelity"][k] = r = fidelity(arch, preset, work)
                     print(f"fidelity {k}: top-1 {r['top1_agreement']:.3f} KL {r['mean_kl']:.4f} max err "
                           f"{r['max_logit_error']:.2e} routing {r['routing_agreement']:.3f}", flush=True)
+                    save()
+        if "ablation" in a.parts:
+            for arch in ("llama", "deepseek_v3", "qwen3_moe"):
+                for preset in ABLATION:
+                    k = f"{arch}/{preset}"
+                    if k in res.setdefault("fidelity", {}):
+                        continue
+                    res["fidelity"][k] = r = fidelity(arch, preset, work)
+                    print(f"ablation {k}: top-1 {r['top1_agreement']:.3f} KL {r['mean_kl']:.4f}", flush=True)
                     save()
         if "normalize" in a.parts:
             for arch in ("mixtral", "qwen3_moe", "deepseek_v3"):

@@ -131,7 +131,8 @@ class ArchSpec:
     moe: MoESpec | None = None
     hf_roles: dict[str, str] = field(default_factory=dict)  # overrides of HF_LAYER_ROLES / HF_MOE_MLA_ROLES
     gguf_export: bool = True  # `aloepri export-gguf` supports the output (dense GQA models only)
-    # Engines derive head_dim = hidden_size // num_heads for this architecture (vLLM and SGLang Qwen2-MoE): pad
+    # Engines derive head_dim = hidden_size // num_heads for this architecture (vLLM and SGLang Qwen2-MoE, SGLang
+    # Mixtral): pad
     # every head to (d + 2h) / num_heads so the output loads there unchanged (transforms.pad_attention_heads)
     pad_heads: bool = False
 
@@ -192,7 +193,7 @@ register(ArchSpec("mixtral", ("MixtralForCausalLM",), (), "mixtral", "MixtralFor
                   hf_roles={"router": "block_sparse_moe.gate", "expert_gate": "block_sparse_moe.experts.{e}.w1",
                             "expert_up": "block_sparse_moe.experts.{e}.w3",
                             "expert_down": "block_sparse_moe.experts.{e}.w2"},
-                  gguf_export=False))
+                  gguf_export=False, pad_heads=True))  # SGLang's Mixtral ignores head_dim (vLLM's reads it)
 _DEEPSEEK = _COMMON + _MOE_COMMON + (
     "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
     "topk_group", "topk_method", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
