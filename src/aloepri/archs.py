@@ -135,6 +135,7 @@ class ArchSpec:
     # Mixtral): pad
     # every head to (d + 2h) / num_heads so the output loads there unchanged (transforms.pad_attention_heads)
     pad_heads: bool = False
+    output_overrides: dict[str, Any] = field(default_factory=dict)  # config values forced in the output
 
     def hf_role_names(self) -> dict[str, str]:
         return {**HF_LAYER_ROLES, **HF_MOE_MLA_ROLES, **self.hf_roles}
@@ -198,15 +199,14 @@ _DEEPSEEK = _COMMON + _MOE_COMMON + (
     "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
     "topk_group", "topk_method", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
     "qk_nope_head_dim", "v_head_dim", "rope_interleave", "attention_bias", "mlp_bias", "scoring_func",
-    "num_nextn_predict_layers",
-)
+)  # num_nextn_predict_layers is not passed: the multi-token-prediction layers are not obfuscated, so not written
 _DEEPSEEK_MOE = MoESpec(("n_routed_experts", "num_local_experts"), "first_k_dense", shared_expert=True, expert_groups_key="n_group")
 _DEEPSEEK_ROLES = {"shared_gate": "mlp.shared_experts.gate_proj", "shared_up": "mlp.shared_experts.up_proj",
                    "shared_down": "mlp.shared_experts.down_proj"}
 register(ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), (), "deepseek_v3", "DeepseekV3ForCausalLM",
                   passthrough_config=_DEEPSEEK, attention="mla",
                   moe=dataclasses.replace(_DEEPSEEK_MOE, router_bias=True), hf_roles=_DEEPSEEK_ROLES,
-                  gguf_export=False))
+                  gguf_export=False, output_overrides={"num_nextn_predict_layers": 0}))
 register(ArchSpec("deepseek_v2", ("DeepseekV2ForCausalLM",), (), "deepseek_v2", "DeepseekV2ForCausalLM",
                   passthrough_config=_DEEPSEEK, attention="mla", moe=_DEEPSEEK_MOE, hf_roles=_DEEPSEEK_ROLES,
                   gguf_export=False))

@@ -80,6 +80,7 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
         kw.update(rope_parameters=rope, head_dim=padded)
     elif spec.attention != "mla":  # MLA's head dims are its own keys (passed through); head_dim is derived
         kw["head_dim"] = shape.head_dim
+    kw.update(spec.output_overrides)
     if spec.output_model_type == "llama":
         kw["attention_bias"] = has_qkv_bias
         kw.setdefault("mlp_bias", False)
