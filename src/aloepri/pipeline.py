@@ -280,12 +280,17 @@ def _obfuscate_gqa_layer(source, put, secrets: SecretSampler, i: int, shape: Mod
     if has_qkv_bias and spec.output_model_type == "llama" and "o_bias" not in attn:
         # Llama's attention_bias switch also declares o_proj.bias; Qwen2 has none, so it is zero (and stays zero).
         attn["o_bias"] = torch.zeros(attn["o"].shape[0], dtype=torch.float64)
-    for key, tensor in attn.items():
+    _put_all(put, attn)
+    return flops
+
+
+def _put_all(put, tensors: dict[str, torch.Tensor]) -> None:
+    """Write transform outputs keyed by role ("q") or role + "_bias" ("q_bias")."""
+    for key, tensor in tensors.items():
         if key.endswith("_bias"):
             put(key[:-5], tensor, "bias")
         else:
             put(key, tensor)
-    return flops
 
 
 def _obfuscate_mla_layer(source, put, secrets: SecretSampler, i: int, shape: ModelShape) -> float:
@@ -299,11 +304,7 @@ def _obfuscate_mla_layer(source, put, secrets: SecretSampler, i: int, shape: Mod
         secrets.writer_P("o", i), secrets.mla(i), shape.num_heads, shape.qk_nope_head_dim, shape.qk_rope_head_dim,
         shape.v_head_dim, shape.kv_lora_rank,
     )
-    for key, tensor in attn.items():
-        if key.endswith("_bias"):
-            put(key[:-5], tensor, "bias")
-        else:
-            put(key, tensor)
+    _put_all(put, attn)
     return flops
 
 
