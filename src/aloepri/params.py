@@ -32,6 +32,9 @@ class ObfuscationParams:
                        the thousands, which breaks fp16/bf16/8-bit serving, see docs/design.md)
     vo_scale_range     singular values of a conditioned U_vo are log-uniform in [1/r, r]
     head_permutation   sample tau_kv and tau_group (exact, always on unless disabled for debugging)
+    noise_shape        embedding/head noise: "isotropic" (the paper: alpha * std(W) everywhere), "column" (each
+                       dimension's noise follows that column's own std) or "row" (each token's noise scaled by its
+                       row norm over the mean); same total noise energy (docs/accuracy.md measures them)
     router_normalize   MoE: scale every expert's router vector to unit norm before permuting (the paper's text).
                        It changes which experts are chosen (docs/moe-mla.md), so it is off: the exact variant
     """
@@ -52,6 +55,7 @@ class ObfuscationParams:
     vo_scale_range: float = 2.0
     head_permutation: bool = True
     router_normalize: bool = False
+    noise_shape: str = "isotropic"
 
     def __post_init__(self) -> None:
         problems = []
@@ -71,6 +75,8 @@ class ObfuscationParams:
             problems.append("kappa_mode must be 'isotropic' or 'embedding'")
         if self.qk_scale_range < 1 or self.ffn_scale_range < 1 or self.vo_scale_range < 1:
             problems.append("qk_scale_range, ffn_scale_range and vo_scale_range must be >= 1")
+        if self.noise_shape not in ("isotropic", "column", "row"):
+            problems.append("noise_shape must be 'isotropic', 'column' or 'row'")
         if self.vo_mixing not in ("conditioned", "gaussian"):
             problems.append("vo_mixing must be 'conditioned' or 'gaussian'")
         if problems:

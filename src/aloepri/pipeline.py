@@ -172,14 +172,14 @@ def obfuscate(
         norm_const = torch.full((D,), kappa, dtype=out_dtype)
 
         e_obf = obfuscate_embedding(embed, vocab_perm, secrets.writer_P("embed"), params.alpha_e,
-                                    secrets.rng("noise", "embed"), out_dtype)
+                                    secrets.rng("noise", "embed"), out_dtype, params.noise_shape)
         flops += 2.0 * embed.shape[0] * shape.d * D
         fingerprint_update(fp, "model.embed_tokens.weight", e_obf)
         writer.add("model.embed_tokens.weight", e_obf)
         head_plain = embed if source.tied_embeddings else source.get("head", dtype=None)
         del embed, e_obf
         h_obf = obfuscate_head(head_plain, source.get("final_norm"), vocab_perm, secrets.reader_Q("head"),
-                               params.alpha_h, secrets.rng("noise", "head"), out_dtype)
+                               params.alpha_h, secrets.rng("noise", "head"), out_dtype, params.noise_shape)
         flops += 2.0 * head_plain.shape[0] * shape.d * D
         fingerprint_update(fp, "lm_head.weight", h_obf)
         writer.add("lm_head.weight", h_obf)

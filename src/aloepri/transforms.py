@@ -42,32 +42,57 @@ def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
 # --- embedding and head --------------------------------------------------------------------------------
 
 
-def _std_float64(weight: Tensor, chunk_rows: int) -> float:
-    """std of a large matrix in float64 without a float64 copy of it."""
-    total = total_sq = 0.0
+NOISE_SHAPES = ("isotropic", "column", "row")
+
+
+def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor, float]:
+    """Per-column noise std (d,) and the rms row norm, for a total noise energy equal to the isotropic one.
+
+    isotropic: std(W) everywhere (the paper). column: proportional to each column's own std (noise follows the
+    embedding's per-dimension spread). row: std(W) per column, and every row's noise is scaled by its own norm
+    over the rms norm (each token perturbed by the same *relative* amount).
+    """
+    d = weight.shape[1]
+    s1 = torch.zeros(d, dtype=torch.float64)
+    s2 = torch.zeros(d, dtype=torch.float64)
+    norms = 0.0
     for start in range(0, weight.shape[0], chunk_rows):
         c = weight[start : start + chunk_rows].to(torch.float64)
-        total += float(c.sum())
-        total_sq += float((c * c).sum())
-    n = weight.numel()
-    return float(np.sqrt(max(total_sq - total * total / n, 0.0) / (n - 1)))
+        s1 += c.sum(0)
+        s2 += (c * c).sum(0)
+        norms += float((c * c).sum())
+    n = weight.shape[0]
+    col_var = (s2 - s1 * s1 / n) / (n - 1)
+    total_std = float(np.sqrt(max(float(s2.sum() - s1.sum() ** 2 / (n * d)), 0.0) / (n * d - 1)))
+    if shape == "column":
+        col = col_var.clamp_min(0).sqrt()
+        col = col * (total_std / float(col.pow(2).mean().sqrt()))
+    else:
+        col = torch.full((d,), total_std, dtype=torch.float64)
+    return col, float(np.sqrt(norms / n))  # rms row norm: the row-shaped noise keeps the total energy
 
 
 def _permute_noise_project(
     weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float, rng: np.random.Generator,
-    out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192,
+    out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192, noise_shape: str = "isotropic",
 ) -> Tensor:
-    """Rows of a vocabulary matrix (n, d): permute, add alpha*std(W) Gaussian noise, scale columns, multiply
-    by ``right`` (d, D). Float64 chunk by chunk, so memory stays bounded by the input and output."""
+    """Rows of a vocabulary matrix (n, d): permute, add alpha-scaled Gaussian noise (shaped by ``noise_shape``,
+    see _noise_profile), scale columns, multiply by ``right`` (d, D). Float64 chunk by chunk, so memory stays
+    bounded by the input and output."""
     n = weight.shape[0]
-    sigma = _std_float64(weight, chunk_rows) if alpha > 0 else 0.0
+    if noise_shape not in NOISE_SHAPES:
+        raise ValueError(f"noise_shape must be one of {NOISE_SHAPES}")
+    col_std, rms_norm = _noise_profile(weight, noise_shape, chunk_rows) if alpha > 0 else (None, 1.0)
     plain_rows = np.argsort(vocab_perm)  # obfuscated row j holds plain token plain_rows[j]
     out = torch.empty((n, right.shape[1]), dtype=out_dtype)
     for start in range(0, n, chunk_rows):
         stop = min(n, start + chunk_rows)
         rows = weight[torch.from_numpy(plain_rows[start:stop])].to(torch.float64)
         if alpha > 0:
-            rows = rows + alpha * sigma * torch.from_numpy(rng.standard_normal(rows.shape))
+            noise = torch.from_numpy(rng.standard_normal(rows.shape)) * col_std[None, :]
+            if noise_shape == "row":
+                noise = noise * (rows.norm(dim=1, keepdim=True) / rms_norm)
+            rows = rows + alpha * noise
         if column_scale is not None:
             rows = rows * column_scale[None, :]
         out[start:stop] = (rows @ right).to(out_dtype)
@@ -75,15 +100,16 @@ def _permute_noise_project(
 
 
 def obfuscate_embedding(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,
-                        rng: np.random.Generator, out_dtype: torch.dtype) -> Tensor:
+                        rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic") -> Tensor:
     """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i."""
-    return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype)
+    return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype, noise_shape=noise_shape)
 
 
 def obfuscate_head(weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
-                   rng: np.random.Generator, out_dtype: torch.dtype) -> Tensor:
+                   rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic") -> Tensor:
     """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T; HF layout (n, D), row vocab_perm[i] = plain token i."""
-    return _permute_noise_project(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight)
+    return _permute_noise_project(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight,
+                                  noise_shape=noise_shape)
 
 
 # --- attention -----------------------------------------------------------------------------------------
