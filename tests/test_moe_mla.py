@@ -148,3 +148,18 @@ def test_qwen2_moe_heads_are_padded_for_engines_that_derive_head_dim(tiny_dir, o
     k = tensors["model.layers.0.self_attn.k_proj.weight"].reshape(cfg["num_key_value_heads"], padded, -1)
     pad = list(range(old // 2, padded // 2)) + list(range(padded // 2 + old // 2, padded))
     assert torch.count_nonzero(k[:, pad]) == 0 and torch.count_nonzero(k[:, : old // 2]) > 0
+
+
+def test_head_padding_refuses_a_rope_base_beyond_float32(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir("mixtral"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_parameters"]["rope_theta"] = 1e6  # 1e6 ** (52 / 8) = 1e39 > float32 max
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="smaller h"):
+        aloepri.obfuscate(src, tmp_path / "out", tmp_path / "k.json", aloepri.resolve_params("exact"), seed=1,
+                          progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "k.json").exists()

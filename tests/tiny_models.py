@@ -32,7 +32,9 @@ TINY_ARCHS = {
         norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         tie_word_embeddings=False, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
-        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+        # theta 1e4, not Mixtral's 1e6: head padding 8 -> 52 dims raises theta to theta^6.5 (1e6 would overflow
+        # float32; real models pad by a few percent)
+        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # multi-head latent attention + grouped routing (2 groups of 4, one picked) + a shared expert + dense layer 0
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=6, head_dim=None,

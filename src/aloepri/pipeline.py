@@ -77,6 +77,9 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
             raise ValueError(f"head padding ({spec.name}) keeps RoPE exact only for default/linear RoPE, not "
                              f"{rope.get('rope_type')!r}")
         rope["rope_theta"] = padded_rope_theta(shape.rope_base, shape.head_dim, padded)
+        if rope["rope_theta"] > 1e37:  # engines compute theta ** x in float32 (max 3.4e38): it would overflow
+            raise ValueError(f"head padding {shape.head_dim} -> {padded} needs rope_theta {rope['rope_theta']:.3g}, "
+                             "beyond float32; choose a smaller h (--h) so the padded heads stay close to the original")
         kw.update(rope_parameters=rope, head_dim=padded)
     elif spec.attention != "mla":  # MLA's head dims are its own keys (passed through); head_dim is derived
         kw["head_dim"] = shape.head_dim
