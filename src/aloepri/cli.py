@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     from .gguf_export import add_export_commands; add_export_commands(sub)  # noqa: E702  (export-gguf)
     from .serving_cli import add_serving_commands; add_serving_commands(sub)  # noqa: E702  (serve-local, proxy, chat)
+    from .eval.cli import add_eval_commands; add_eval_commands(sub)  # noqa: E702  (eval, privacy-budget)
+    from .tuning import add_tune_commands; add_tune_commands(sub)  # noqa: E702  (tune)
+    from .attacks.cli import add_attack_commands; add_attack_commands(sub)  # noqa: E702  (attack)
     return ap
 
 

@@ -1,0 +1,175 @@
+"""Attack framework: what the attacker holds, what the victim sends, what an attack returns, and scoring.
+
+Threat model (docs/threat-model.md): an honest-but-curious server knows the method and the public plaintext
+model, holds the obfuscated weights, sees every obfuscated id, hidden state and attention score, and does not
+hold the key. ``AttackTarget.key`` is the ground truth: attacks use it only to *score* (and the oracle variants,
+which say so in ``AttackResult.uses``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..keyfile import KeyFile, load_key
+
+
+@dataclass
+class Budget:
+    """How much an attack may spend. ``scale`` multiplies training steps / data sizes of the heavy attacks:
+    'ci' runs a small version, 'full' the reported one. Every result records the budget actually used."""
+
+    name: str = "full"
+    scale: float = 1.0
+    max_tokens_scored: int | None = None  # cap on observed prompt tokens scored (None = all)
+    threads: int = 1
+
+    @classmethod
+    def named(cls, name: str) -> "Budget":
+        return {"ci": cls("ci", 0.05), "small": cls("small", 0.25), "full": cls("full", 1.0)}[name]
+
+
+class AttackTarget:
+    """An obfuscated deployment under attack: public plaintext model, server artifact, and the key (scoring only)."""
+
+    def __init__(self, plain_src: str | Path, obfuscated_dir: str | Path, key: KeyFile | str | Path | None,
+                 dtype: torch.dtype = torch.float32):
+        self.plain_src = Path(plain_src)
+        self.obfuscated_dir = Path(obfuscated_dir)
+        self.key = key if (key is None or isinstance(key, KeyFile)) else load_key(key)
+        self.dtype = dtype
+
+    @cached_property
+    def plain_model(self):
+        from ..inference import load_plain_model
+
+        return load_plain_model(self.plain_src, dtype=self.dtype)
+
+    @cached_property
+    def obf_model(self):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(self.obfuscated_dir), dtype=self.dtype).eval()
+
+    @cached_property
+    def tokenizer(self):
+        """The public plaintext tokenizer (the attacker has it: the plaintext model is public)."""
+        from transformers import AutoTokenizer
+
+        p = self.plain_src
+        if p.is_file():
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return AutoTokenizer.from_pretrained(str(p))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.plain_model.config.vocab_size)
+
+    def true_permutation(self) -> np.ndarray:
+        """perm[plain id] = obfuscated id. Ground truth for scoring; an attack must not read it."""
+        if self.key is None:
+            raise ValueError("scoring needs the key (ground truth); pass --key")
+        return self.key.permutation
+
+    def obfuscate_ids(self, plain_ids: Sequence[int]) -> list[int]:
+        """What the server observes for a plaintext prompt (the victim's side, not the attacker's)."""
+        if self.key is None:
+            raise ValueError("simulating the victim's traffic needs the key (ground truth); pass --key")
+        return self.key.encode_ids(list(plain_ids))
+
+
+@dataclass
+class PrivateData:
+    """The victim's private prompts: plaintext ids (ground truth) and a mask of the PII tokens in them."""
+
+    texts: list[str]
+    plain_ids: list[list[int]]
+    pii_mask: list[list[bool]]
+
+    def observed(self, target: AttackTarget) -> list[list[int]]:
+        return [target.obfuscate_ids(ids) for ids in self.plain_ids]
+
+
+@dataclass
+class AttackResult:
+    attack: str
+    ttrsr: float | None  # token recovery success rate over the private prompt tokens
+    piirsr: float | None  # the same over PII tokens only
+    metrics: dict[str, Any] = field(default_factory=dict)  # bleu4, cossim, top-k, vocab-level recovery, ...
+    budget: dict[str, Any] = field(default_factory=dict)  # candidate pool, steps, data sizes, ... (always reported)
+    uses: str = ""  # what the attacker used, in words
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+AttackFn = Callable[[AttackTarget, PrivateData, Budget, int], AttackResult]
+REGISTRY: dict[str, AttackFn] = {}
+
+
+def register(name: str) -> Callable[[AttackFn], AttackFn]:
+    """Register ``fn(target, data, budget, seed) -> AttackResult`` under ``name`` (wall time is filled in)."""
+
+    def deco(fn: AttackFn) -> AttackFn:
+        def timed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+            t0 = time.perf_counter()
+            torch.set_num_threads(max(1, budget.threads))
+            res = fn(target, data, budget, seed)
+            res.seconds = time.perf_counter() - t0
+            return res
+
+        timed.__doc__, timed.__name__ = fn.__doc__, fn.__name__
+        REGISTRY[name] = timed
+        return timed
+
+    return deco
+
+
+# --- scoring -------------------------------------------------------------------------------------------------
+
+
+def score_predictions(target: AttackTarget, data: PrivateData, predicted: Sequence[Sequence[int]],
+                      text_metrics: bool = True) -> dict[str, Any]:
+    """Per-position plaintext guesses against the truth: ttrsr, piirsr and (optionally) bleu4 / cossim of the
+    decoded text. ``predicted[i][j]`` is the guess for position j of prompt i (-1 = no guess)."""
+    hit = tot = pii_hit = pii_tot = 0
+    for truth, guess, mask in zip(data.plain_ids, predicted, data.pii_mask):
+        g = np.asarray(list(guess)[: len(truth)] + [-1] * max(0, len(truth) - len(guess)))
+        t = np.asarray(truth)
+        m = np.asarray(mask, dtype=bool)
+        ok = g == t
+        hit += int(ok.sum())
+        tot += len(t)
+        pii_hit += int(ok[m].sum())
+        pii_tot += int(m.sum())
+    out: dict[str, Any] = {"ttrsr": hit / max(tot, 1), "piirsr": pii_hit / pii_tot if pii_tot else None,
+                           "tokens_scored": tot, "pii_tokens_scored": pii_tot}
+    if text_metrics:
+        from .metrics import bleu4, cosine_similarity
+
+        tok = target.tokenizer
+        refs = [tok.decode(list(t), skip_special_tokens=True) for t in data.plain_ids]
+        hyps = [tok.decode([i if 0 <= i < len(tok) else tok.unk_token_id or 0 for i in g], skip_special_tokens=True)
+                for g in predicted]
+        out["bleu4"] = bleu4(hyps, refs)
+        out["cossim"] = cosine_similarity(hyps, refs)
+    return out
+
+
+def score_mapping(target: AttackTarget, data: PrivateData, obf_to_plain: np.ndarray,
+                  text_metrics: bool = True) -> dict[str, Any]:
+    """A recovered vocabulary mapping (obfuscated id -> plain guess, -1 = none) applied to the observed prompts,
+    plus the fraction of the whole vocabulary it gets right."""
+    perm = target.true_permutation()
+    observed = data.observed(target)
+    predicted = [[int(obf_to_plain[o]) for o in obs] for obs in observed]
+    out = score_predictions(target, data, predicted, text_metrics)
+    inv = np.argsort(perm)  # obf id -> plain id
+    out["vocab_recovery"] = float(np.mean(np.asarray(obf_to_plain) == inv))
+    return out

@@ -1,0 +1,148 @@
+"""Invariant attacks (the paper's Appendix "Potential Threats", after Lin et al. 2024): Gate-IA and Attn-IA.
+
+What the attacker uses: the public plaintext model and the obfuscated weights; no key, no pairs. Each attack
+computes, for every vocabulary token, a vector of quantities that the obfuscation leaves (nearly) unchanged,
+once from the plaintext weights and once from the obfuscated ones, and matches every queried obfuscated token to
+the nearest plaintext token over the FULL vocabulary (Euclidean).
+
+Gate-IA (paper): the invariant of token e at layer l is Avg(e W_gate,l), the mean over the FFN neurons of its
+gate pre-activation (the neuron permutation Z does not change a mean; the key matrices cancel). One scalar per
+layer, all layers stacked. Each layer's scalar is divided by its RMS over the vocabulary on each side (a
+permutation-invariant statistic), which removes the global scale the obfuscated RMSNorm constant introduces.
+Only alpha_e noise breaks it (as the paper says).
+
+Attn-IA (paper): for query head i and RoPE block j (the 2 dimensions rotated together), with q = e W_q^(i)[:, j]
+(1 x 2) and Q = W_e W_q^(i)[:, j] (n x 2, all tokens), the invariant is q (Q^T Q)^-1 q^T: the token's leverage
+in that block. Any invertible 2 x 2 map of the block (AloePri's R H per block) and any row permutation leave it
+unchanged; the key matrices cancel. The paper's attack reads the invariants in head/block order, so AloePri's head
+and block permutations break the alignment; the features are matched on a log scale (leverages are heavy-tailed).
+
+``attn-ia-sorted`` is our extension, not in the paper: it sorts each layer's (head, block) invariants before
+matching, which removes the head and block permutations the way VMA's row sort removes Z.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
+from .vma import _layer, _w, embed_matrix, num_layers, query_ids, spread_layers, vote_match
+
+Tensor = torch.Tensor
+
+IA_BUDGETS: dict[str, dict] = {
+    "ci": {"attn_layers": 2, "vocab_sample": 256},
+    "small": {"attn_layers": 8, "vocab_sample": 1024},
+    "full": {"attn_layers": 1000, "vocab_sample": 4096},  # all layers
+}
+
+
+def gate_invariants(model) -> Tensor:
+    """(n, layers): Avg over FFN neurons of e diag(w) W_gate^T, each column scaled to unit RMS over the vocabulary."""
+    emb = embed_matrix(model)
+    cols = []
+    for i in range(num_layers(model)):
+        layer = _layer(model, i)
+        mlp = layer.mlp
+        if not hasattr(mlp, "gate_proj"):
+            continue  # MoE layers have no single gate; their experts are not used here
+        gate = _w(mlp.gate_proj) * _w(layer.post_attention_layernorm)[None, :]
+        cols.append(emb @ gate.mean(dim=0))  # Avg_j (e W)_j = e . mean_j W_j: no (n, ffn) product needed
+    if not cols:
+        raise ValueError("Gate-IA needs dense FFN layers (gate_proj); this model has none")
+    f = torch.stack(cols, dim=1)
+    return f / f.square().mean(dim=0, keepdim=True).sqrt().clamp_min(1e-30)
+
+
+def block_leverages(q: Tensor, num_heads: int, eps: float = 1e-12) -> Tensor:
+    """q: (n, heads * dh) query projections of every vocabulary token. Returns (n, heads, dh/2): for each token,
+    head and RoPE block (dims j and j + dh/2, Hugging Face's rotate_half pairing), q_b (Q_b^T Q_b)^-1 q_b^T."""
+    n = q.shape[0]
+    dh = q.shape[1] // num_heads
+    half = dh // 2
+    qh = q.reshape(n, num_heads, 2, half).permute(0, 1, 3, 2).double()  # (n, H, half, 2): [dim j, dim j+half]
+    g = torch.einsum("nhbi,nhbj->hbij", qh, qh)  # (H, half, 2, 2)
+    g = g + eps * torch.eye(2, dtype=g.dtype) * g.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    ginv = torch.linalg.inv(g)
+    return torch.einsum("nhbi,hbij,nhbj->nhb", qh, ginv, qh).float()
+
+
+def attn_invariants(model, layers: list[int], sort_within_layer: bool) -> Tensor:
+    """(n, features): log leverages of every (layer, head, RoPE block); sorted within each layer if asked."""
+    emb = embed_matrix(model)
+    nh = int(model.config.num_attention_heads)
+    feats = []
+    for i in layers:
+        layer = _layer(model, i)
+        attn = layer.self_attn
+        if not hasattr(attn, "q_proj") or getattr(attn, "q_norm", None) is not None:
+            raise ValueError("Attn-IA needs plain q_proj attention without per-head q norms (not MLA / Qwen3)")
+        wq = _w(attn.q_proj) * _w(layer.input_layernorm)[None, :]
+        lev = block_leverages(emb @ wq.T, nh).reshape(emb.shape[0], -1)
+        lev = lev.clamp_min(1e-30).log()
+        feats.append(torch.sort(lev, dim=1).values if sort_within_layer else lev)
+    return torch.cat(feats, dim=1)
+
+
+def _match(target: AttackTarget, data: PrivateData, plain_feats: Tensor, obf_feats: Tensor, sample: int,
+           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    n = plain_feats.shape[0]
+    if obf_feats.shape != plain_feats.shape:
+        raise ValueError(f"invariant shapes differ: plain {tuple(plain_feats.shape)}, obfuscated "
+                         f"{tuple(obf_feats.shape)} (different architecture or head layout)")
+    queries, sampled = query_ids(data.observed(target), n, sample, seed)
+    fused, _, _, _ = vote_match([obf_feats[torch.from_numpy(queries)]], [plain_feats])
+    mapping = np.full(n, -1, dtype=np.int64)
+    mapping[queries] = fused
+    scores = score_mapping(target, data, mapping)
+    scores.pop("vocab_recovery", None)
+    truth = np.argsort(target.true_permutation())[queries]  # scoring only
+    in_sample = np.isin(queries, sampled)
+    scores["vocab_recovery_sampled"] = float((fused[in_sample] == truth[in_sample]).mean())
+    return queries, sampled, fused, scores
+
+
+def run_gate_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    cfg = IA_BUDGETS.get(budget.name, IA_BUDGETS["full"])
+    plain_f, obf_f = gate_invariants(target.plain_model), gate_invariants(target.obf_model)
+    queries, sampled, _, scores = _match(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
+    return AttackResult(
+        "gate-ia", scores["ttrsr"], scores["piirsr"], scores,
+        budget={"budget": budget.name, "candidate_pool": plain_f.shape[0], "candidate_pool_is_full_vocabulary": True,
+                "features": f"Avg(e W_gate) for {plain_f.shape[1]} layers", "vocab_sample": int(len(sampled)),
+                "queries": int(len(queries))},
+        uses="public plaintext weights + obfuscated embedding and gate weights; no key, no pairs")
+
+
+def run_attn_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
+                sort_within_layer: bool = False) -> AttackResult:
+    cfg = IA_BUDGETS.get(budget.name, IA_BUDGETS["full"])
+    layers = spread_layers(num_layers(target.plain_model), cfg["attn_layers"])
+    plain_f = attn_invariants(target.plain_model, layers, sort_within_layer)
+    obf_f = attn_invariants(target.obf_model, layers, sort_within_layer)
+    queries, sampled, _, scores = _match(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
+    name = "attn-ia-sorted" if sort_within_layer else "attn-ia"
+    return AttackResult(
+        name, scores["ttrsr"], scores["piirsr"], scores,
+        budget={"budget": budget.name, "candidate_pool": plain_f.shape[0], "candidate_pool_is_full_vocabulary": True,
+                "layers": layers, "features": int(plain_f.shape[1]), "vocab_sample": int(len(sampled)),
+                "queries": int(len(queries)), "sorted_within_layer": sort_within_layer},
+        uses="public plaintext weights + obfuscated embedding and W_query; no key, no pairs")
+
+
+@register("gate-ia")
+def gate_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """Gate-IA: per-layer mean gate pre-activation of every token, nearest neighbour over the full vocabulary."""
+    return run_gate_ia(target, data, budget, seed)
+
+
+@register("attn-ia")
+def attn_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """Attn-IA: per (layer, head, RoPE block) leverage of every token, in head/block order (the paper's attack)."""
+    return run_attn_ia(target, data, budget, seed, sort_within_layer=False)
+
+
+@register("attn-ia-sorted")
+def attn_ia_sorted(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """Attn-IA with each layer's invariants sorted (our extension: immune to head and block permutations)."""
+    return run_attn_ia(target, data, budget, seed, sort_within_layer=True)

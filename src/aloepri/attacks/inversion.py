@@ -1,0 +1,614 @@
+"""State-inversion and learned-inversion attacks: ISA (hidden states, attention scores) and IMA (own keys, oracle).
+
+ISA (paper Appendix "Potential Threats", after Dong et al. 2025): the server records internal states of the
+victim's obfuscated forward pass and optimises a relaxed plaintext input through the PUBLIC plaintext model until
+its states match. An obfuscated state is ``h P`` for a secret key matrix ``P``, so the two cannot be compared
+directly; we match what the key leaves (nearly) unchanged:
+
+- ``isa_hidden``: the position-by-position cosine matrix and the centred log-norms of the residual stream at
+  one layer. For an orthogonal key (``lam = 0``, no C/E energy, the ``exact`` preset) they are exactly invariant
+  (``hP (hP)^T = s^2 h h^T``); ``lam > 0`` and the C/E blocks distort them.
+- ``isa_attention``: the attention probabilities of every head of the first layers. Key matrices cancel in
+  ``q k^T``; head permutations (tau_kv, tau_group) only relabel heads, which we undo by solving the head
+  assignment (Hungarian matching of observed to candidate heads, re-solved during the optimisation); RoPE block
+  permutation (beta > 1) changes the scores themselves.
+
+Both relax the input as free embedding vectors (Adam), take each position's k nearest plaintext tokens as
+candidates, and search them left to right with a beam on the loss of the prefix (causal model: the observed
+prefix states are the prefix's own), then refine by coordinate descent, scoring every candidate exactly.
+
+IMA (after Kugler et al. 2021, the paper's setting): a small transformer (2 layers, d=128) reads obfuscated
+states at a layer (default 0: the embedding output, as the paper) and predicts the plaintext token embedding;
+the guess is its nearest plaintext token over the FULL vocabulary. ``ima`` trains on the attacker's own corpus
+obfuscated with keys it samples itself (``aloepri.obfuscate`` with its own seeds and the public hyperparameters);
+``ima_oracle`` trains on pairs made with the victim's own key, a stronger attacker than the threat model allows.
+"""
+from __future__ import annotations
+
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_predictions
+
+# --- forward passes truncated at a layer ----------------------------------------------------------------------
+
+
+def _inner(model):
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        raise TypeError(f"{type(model).__name__}: expected a decoder-only model with .model.layers/.embed_tokens")
+    return inner
+
+
+@contextmanager
+def _first_layers(model, n_layers: int, eager: bool = False):
+    """Run only the first ``n_layers`` decoder layers (the state at a shallow layer does not need the rest)."""
+    inner = _inner(model)
+    full = inner.layers
+    if not 0 <= n_layers <= len(full):
+        raise ValueError(f"layer {n_layers} out of range: the model has {len(full)} decoder layers")
+    old_impl = model.config._attn_implementation
+    inner.layers = torch.nn.ModuleList(list(full)[:n_layers])
+    if eager and old_impl != "eager":
+        model.set_attn_implementation("eager")  # only eager attention returns the probabilities
+    try:
+        yield inner
+    finally:
+        inner.layers = full
+        if eager and old_impl != "eager":
+            model.set_attn_implementation(old_impl)
+
+
+def layer_states(model, layer: int, input_ids: torch.Tensor | None = None,
+                 inputs_embeds: torch.Tensor | None = None, attentions: bool = False):
+    """Residual stream after ``layer`` decoder layers (0 = embedding output), batch-first; with ``attentions``
+    also the attention probabilities of those layers, each (batch, heads, n, n)."""
+    inner = _inner(model)
+    if inputs_embeds is None:
+        inputs_embeds = inner.embed_tokens(input_ids)
+    if layer == 0 and not attentions:
+        return inputs_embeds
+    captured: dict[str, torch.Tensor] = {}
+    with _first_layers(model, layer, eager=attentions) as inner:
+        hook = None
+        if layer > 0:
+            def grab(_mod, _inp, out):
+                captured["h"] = out[0] if isinstance(out, tuple) else out
+
+            hook = inner.layers[layer - 1].register_forward_hook(grab)
+        try:
+            out = inner(inputs_embeds=inputs_embeds, use_cache=False, output_attentions=attentions)
+        finally:
+            if hook is not None:
+                hook.remove()
+    h = captured.get("h", inputs_embeds)
+    return (h, list(out.attentions)) if attentions else h
+
+
+# --- ISA: invariants and the relaxed optimisation ---------------------------------------------------------------
+
+
+def hidden_invariants(h: torch.Tensor, center: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cosine matrix across positions, centred log-norms) of states ``h`` (..., n, D). Both are unchanged by
+    ``h -> s h B`` for any scalar s and orthogonal B (the exact preset's key matrix). ``center`` first subtracts
+    the mean over positions 1.. (it maps the same way, so the invariance holds); measured worse on tiny models,
+    so the attacks use the raw states."""
+    if center:
+        mu = h[..., 1:, :].mean(dim=-2, keepdim=True) if h.shape[-2] > 2 else h.mean(dim=-2, keepdim=True)
+        c = h - mu
+    else:
+        c = h
+    norms = c.norm(dim=-1).clamp_min(1e-8)
+    u = c / norms.unsqueeze(-1)
+    logn = torch.log(norms)
+    return u @ u.transpose(-1, -2), logn - logn.mean(dim=-1, keepdim=True)
+
+
+def hidden_loss(h: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor], center: bool = True) -> torch.Tensor:
+    """Per-sequence mismatch of the invariants of ``h`` (batch, n, D) against the observed ones."""
+    cos, logn = hidden_invariants(h, center)
+    cos_t, logn_t = target
+    return ((cos - cos_t) ** 2).mean(dim=(-1, -2)) + ((logn - logn_t) ** 2).mean(dim=-1)
+
+
+def _log_attn(a: torch.Tensor) -> torch.Tensor:
+    # log-probabilities floored: the scores themselves (up to a per-row constant) are what the key leaves intact
+    return torch.log(a.clamp_min(1e-6))
+
+
+def attention_cost(obs: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """cost[i, j] = mismatch between observed head i and candidate head j, over the causal lower triangle.
+    obs, cand: (heads, n, n) attention probabilities."""
+    n = obs.shape[-1]
+    tri = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    lo, lc = _log_attn(obs)[:, tri], _log_attn(cand)[:, tri]  # (heads, n(n+1)/2)
+    return ((lo[:, None, :] - lc[None, :, :]) ** 2).mean(-1)
+
+
+def solve_head_assignment(obs_layers: Sequence[torch.Tensor], cand_layers: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Per layer, the candidate head matched to each observed head (Hungarian on ``attention_cost``): undoes the
+    secret head permutation whenever the scores themselves are preserved."""
+    from scipy.optimize import linear_sum_assignment
+
+    out = []
+    for o, c in zip(obs_layers, cand_layers):
+        cost = attention_cost(o, c.detach()).double().numpy()
+        rows, cols = linear_sum_assignment(cost)
+        out.append(cols[np.argsort(rows)])
+    return out
+
+
+def matched_attention_loss(cand_layers: Sequence[torch.Tensor], obs_layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence mismatch with the head assignment solved for each candidate sequence separately (no gradient:
+    used to score discrete candidates). cand_layers: (batch, heads, n, n); obs_layers: (heads, n, n)."""
+    from scipy.optimize import linear_sum_assignment
+
+    n = obs_layers[0].shape[-1]
+    tri = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    total = torch.zeros(cand_layers[0].shape[0], dtype=torch.float64)
+    for o, c in zip(obs_layers, cand_layers):
+        lo, lc = _log_attn(o)[:, tri], _log_attn(c)[:, :, tri]  # (H, T), (b, H, T)
+        cost = ((lo[None, :, None, :] - lc[:, None, :, :]) ** 2).mean(-1).double().numpy()  # (b, obs H, cand H)
+        for i in range(cost.shape[0]):
+            r, col = linear_sum_assignment(cost[i])
+            total[i] += float(cost[i][r, col].mean())
+    return total / len(obs_layers)
+
+
+def attention_loss(cand_layers: Sequence[torch.Tensor], obs_layers: Sequence[torch.Tensor],
+                   assignment: Sequence[np.ndarray]) -> torch.Tensor:
+    """Per-sequence mismatch of candidate attention (list of (batch, heads, n, n)) against the observed heads
+    under the given head assignment."""
+    n = obs_layers[0].shape[-1]
+    tri = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    total = 0.0
+    for o, c, perm in zip(obs_layers, cand_layers, assignment):
+        lc = _log_attn(c[:, torch.as_tensor(perm)])[..., tri]  # (batch, heads, T)
+        lo = _log_attn(o)[..., tri]
+        total = total + ((lc - lo) ** 2).mean(dim=(-1, -2))
+    return total / len(obs_layers)
+
+
+@dataclass
+class ISAConfig:
+    layer: int = 1  # hidden states after this many decoder layers / attention of the first `layer` layers
+    steps: int = 300
+    lr: float = 0.05
+    refine_k: int = 16  # candidates per position in the discrete refinement (capped at the vocabulary size)
+    refine_sweeps: int = 2
+    greedy: bool = True  # a left-to-right beam search over the candidates on the prefix loss before the sweeps
+    beam: int = 8
+    center: bool = False  # centre the states over positions before the invariants (measured worse on tiny models)
+    match: str = "auto"  # "direct": the states themselves (needs equal widths: no key matrix); "invariant": cosine
+    # matrix + log-norms (survive an orthogonal key); "auto": direct when the widths agree, else invariant
+    relax: str = "embedding"  # "embedding": free input vectors, candidates = nearest tokens; "pez": the same with
+    # straight-through projection; "softmax": a distribution over the vocabulary per position (worse on SmolLM2)
+    max_prompts: int = 20
+    max_len: int = 48  # positions per prompt inverted (prompts are cut here; the rest is left unscored)
+
+    @classmethod
+    def for_budget(cls, budget: Budget, **kw: Any) -> "ISAConfig":
+        s = budget.scale
+        cfg = cls(steps=max(30, int(400 * s)), max_prompts=max(2, int(round(40 * s))), max_len=32)
+        return cfg if not kw else ISAConfig(**{**cfg.__dict__, **kw})
+
+
+def _relax_and_refine(plain_model, n: int, batch_loss: Callable[[torch.Tensor], torch.Tensor],
+                      cfg: ISAConfig, gen: torch.Generator,
+                      on_step: Callable[[torch.Tensor, int], None] | None = None,
+                      prefix_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      refine_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      ) -> tuple[list[int], dict[str, float]]:
+    """Minimise ``batch_loss(inputs_embeds (batch, n, d)) -> (batch,)`` over plaintext token sequences of length n:
+    a continuous relaxation over the full vocabulary (Adam), then each position's top-k candidates (nearest tokens
+    to the relaxed vectors) are searched left to right with a beam on ``prefix_loss`` and refined by coordinate
+    descent on ``refine_loss`` (default ``batch_loss``). The relaxation only proposes candidates: when the true
+    token is not among a position's top-k, the discrete search cannot find it."""
+    emb = _inner(plain_model).embed_tokens.weight.detach()
+    vocab = emb.shape[0]
+    if cfg.relax == "softmax":
+        param = (0.01 * torch.randn(n, vocab, generator=gen)).requires_grad_(True)
+        embed = lambda: torch.softmax(param, dim=-1) @ emb  # noqa: E731
+    else:
+        param = (emb.mean(0) + emb.std(0) * torch.randn(n, emb.shape[1], generator=gen)).requires_grad_(True)
+        embed = (lambda: param) if cfg.relax == "embedding" else (lambda: _straight_through(param, emb, unit))
+    unit = F.normalize(emb, dim=-1)
+    opt = torch.optim.Adam([param], lr=cfg.lr)
+    for step in range(cfg.steps):
+        x = embed().unsqueeze(0)
+        if on_step is not None:
+            on_step(x.detach(), step)
+        loss = batch_loss(x)[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    relaxed_loss = float(loss.detach())
+    batch_loss = refine_loss or batch_loss
+    with torch.no_grad():  # candidates: top relaxed probabilities, or the nearest tokens to the free vectors
+        scores = param if cfg.relax == "softmax" else F.normalize(param, dim=-1) @ unit.T
+        cands = scores.topk(min(cfg.refine_k, vocab), dim=-1).indices  # (n, k)
+    seq = cands[:, 0].clone()
+    with torch.no_grad():
+        if prefix_loss is not None and n >= 2:
+            seq = _beam_search(emb, cands, prefix_loss, cfg.beam)
+        best = float(batch_loss(emb[seq].unsqueeze(0))[0])
+        for _ in range(cfg.refine_sweeps):
+            for t in range(n):
+                trial = seq.unsqueeze(0).repeat(cands.shape[1], 1)
+                trial[:, t] = cands[t]
+                losses = batch_loss(emb[trial])
+                j = int(torch.argmin(losses))
+                if float(losses[j]) < best:
+                    best, seq = float(losses[j]), trial[j].clone()
+    return seq.tolist(), {"relaxed_loss": relaxed_loss, "final_loss": best}
+
+
+def _straight_through(param: torch.Tensor, emb: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """relax="pez": forward the nearest real tokens, step the free vectors (straight-through estimator)."""
+    with torch.no_grad():
+        near = emb[(F.normalize(param, dim=-1) @ unit.T).argmax(-1)]
+    return param + (near - param).detach()
+
+
+def _chunked(loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    return torch.cat([loss(x[i:i + chunk]) for i in range(0, len(x), chunk)])
+
+
+def _beam_search(emb: torch.Tensor, cands: torch.Tensor, prefix_loss: Callable[[torch.Tensor], torch.Tensor],
+                 beam: int) -> torch.Tensor:
+    """Left to right over each position's candidates, keeping the ``beam`` best prefixes by the loss of the prefix
+    (causal models: a prefix's states/attention are the observed prefix's). The first two positions are searched
+    jointly (the first one alone is unconstrained)."""
+    k = cands.shape[1]
+    beams = torch.stack([cands[0].repeat_interleave(k), cands[1].repeat(k)], 1)
+    losses = _chunked(prefix_loss, emb[beams])
+    order = torch.argsort(losses)[:beam]
+    beams = beams[order]
+    for t in range(2, cands.shape[0]):
+        trial = torch.cat([beams.repeat_interleave(k, 0), cands[t].repeat(len(beams)).unsqueeze(1)], 1)
+        losses = _chunked(prefix_loss, emb[trial])
+        beams = trial[torch.argsort(losses)[:beam]]
+    return beams[0].clone()
+
+
+def _prompts(data: PrivateData, observed: list[list[int]], cfg: ISAConfig) -> list[int]:
+    return list(range(min(len(observed), cfg.max_prompts)))
+
+
+def _score(target: AttackTarget, data: PrivateData, predicted: list[list[int]], idx: Sequence[int],
+           max_len: int | None = None) -> dict[str, Any]:
+    """Score the attacked prompts only (cut at ``max_len``); text metrics when the public tokenizer loads."""
+    sub = PrivateData([data.texts[i] for i in idx], [data.plain_ids[i][:max_len] for i in idx],
+                      [data.pii_mask[i][:max_len] for i in idx])
+    try:
+        _ = target.tokenizer
+        text_metrics = True
+    except Exception:  # tiny test checkpoints ship no tokenizer: token-level scores only
+        text_metrics = False
+    out = score_predictions(target, sub, predicted, text_metrics=text_metrics)
+    out["prompts_scored"] = len(idx)
+    return out
+
+
+def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
+                      cfg: ISAConfig | None = None) -> AttackResult:
+    cfg = cfg or ISAConfig.for_budget(budget)
+    gen = torch.Generator().manual_seed(seed)
+    observed = data.observed(target)
+    idx = _prompts(data, observed, cfg)
+    plain = target.plain_model
+    predicted, losses, matches = [], [], []
+    for i in idx:
+        obs_ids = torch.tensor([observed[i][: cfg.max_len]])
+        with torch.no_grad():
+            h_obs = layer_states(target.obf_model, cfg.layer, input_ids=obs_ids)[0].float()
+        tgt = tuple(t.detach() for t in hidden_invariants(h_obs, cfg.center))
+        scale = h_obs.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+        match = cfg.match if cfg.match != "auto" else (
+            "direct" if h_obs.shape[-1] == plain.config.hidden_size else "invariant")
+        matches.append(match)
+
+        def batch_loss(x: torch.Tensor, tgt=tgt, h_obs=h_obs, scale=scale) -> torch.Tensor:
+            h = layer_states(plain, cfg.layer, inputs_embeds=x).float()
+            if match == "direct":
+                if h.shape[-1] != h_obs.shape[-1]:
+                    raise ValueError("direct matching needs states of equal width (an unprotected target)")
+                return (((h - h_obs) / scale) ** 2).sum(-1).mean(-1)
+            return hidden_loss(h, tgt, cfg.center)
+
+        def prefix_loss(x: torch.Tensor, h_obs=h_obs) -> torch.Tensor:
+            # states are causal: the observed prefix states are those of the prompt's prefix alone
+            t = x.shape[1]
+            if match == "direct":
+                return (((layer_states(plain, cfg.layer, inputs_embeds=x).float() - h_obs[:t]) / scale[:t]) ** 2
+                        ).sum(-1).mean(-1)
+            return hidden_loss(layer_states(plain, cfg.layer, inputs_embeds=x).float(),
+                               hidden_invariants(h_obs[:t], cfg.center), cfg.center)
+
+        seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen,
+                                      prefix_loss=prefix_loss if cfg.greedy else None)
+        predicted.append(seq)
+        losses.append(info["final_loss"])
+    metrics = _score(target, data, predicted, idx, cfg.max_len)
+    metrics["mean_final_loss"] = float(np.mean(losses))
+    return AttackResult(
+        "isa_hidden", metrics["ttrsr"], metrics["piirsr"], metrics,
+        budget={"budget": budget.name, "layer": cfg.layer, "steps": cfg.steps, "lr": cfg.lr,
+                "refine_k": cfg.refine_k, "refine_sweeps": cfg.refine_sweeps, "prompts": len(idx),
+                "match": sorted(set(matches)), "relax": cfg.relax, "greedy": cfg.greedy, "beam": cfg.beam,
+                "center": cfg.center, "max_len": cfg.max_len,
+                "candidate_pool": f"full vocabulary ({plain.config.vocab_size})"},
+        uses=f"obfuscated residual stream after decoder layer {cfg.layer} for each victim prompt (matched "
+             f"{'/'.join(sorted(set(matches)))}: directly when it has the plaintext width, else its cosine matrix "
+             "across positions and centred log-norms, invariant to an orthogonal key matrix); the public plaintext "
+             "model for gradient-based inversion; no key, no obfuscated weights")
+
+
+def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
+                         cfg: ISAConfig | None = None, reassign_every: int = 10) -> AttackResult:
+    cfg = cfg or ISAConfig.for_budget(budget)
+    gen = torch.Generator().manual_seed(seed)
+    observed = data.observed(target)
+    idx = _prompts(data, observed, cfg)
+    plain = target.plain_model
+    predicted, losses = [], []
+    for i in idx:
+        obs_ids = torch.tensor([observed[i][: cfg.max_len]])
+        with torch.no_grad():
+            _, attn = layer_states(target.obf_model, cfg.layer, input_ids=obs_ids, attentions=True)
+        obs = [a[0].float() for a in attn]  # per layer (heads, n, n)
+        state: dict[str, Any] = {"assign": None}
+
+        def on_step(x: torch.Tensor, step: int, obs=obs, state=state) -> None:
+            if state["assign"] is None or step % reassign_every == 0:
+                with torch.no_grad():
+                    _, cand = layer_states(plain, cfg.layer, inputs_embeds=x, attentions=True)
+                state["assign"] = solve_head_assignment(obs, [c[0].float() for c in cand])
+
+        def batch_loss(x: torch.Tensor, obs=obs, state=state) -> torch.Tensor:
+            if state["assign"] is None:
+                on_step(x.detach(), 0)
+            _, cand = layer_states(plain, cfg.layer, inputs_embeds=x, attentions=True)
+            return attention_loss([c.float() for c in cand], obs, state["assign"])
+
+        def refine_loss(x: torch.Tensor, obs=obs) -> torch.Tensor:
+            _, cand = layer_states(plain, cfg.layer, inputs_embeds=x, attentions=True)
+            t = x.shape[1]  # a prefix: attention is causal, its rows are the observed prefix rows
+            return matched_attention_loss([c.float() for c in cand], [o[:, :t, :t] for o in obs])
+
+        seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen, on_step,
+                                      prefix_loss=refine_loss if cfg.greedy else None, refine_loss=refine_loss)
+        predicted.append(seq)
+        losses.append(info["final_loss"])
+    metrics = _score(target, data, predicted, idx, cfg.max_len)
+    metrics["mean_final_loss"] = float(np.mean(losses))
+    return AttackResult(
+        "isa_attention", metrics["ttrsr"], metrics["piirsr"], metrics,
+        budget={"budget": budget.name, "attention_layers": cfg.layer, "steps": cfg.steps, "lr": cfg.lr,
+                "reassign_every": reassign_every, "beam": cfg.beam, "refine_k": cfg.refine_k,
+                "refine_sweeps": cfg.refine_sweeps,
+                "prompts": len(idx), "max_len": cfg.max_len,
+                "candidate_pool": f"full vocabulary ({plain.config.vocab_size})"},
+        uses=f"attention probabilities of every head of the first {cfg.layer} obfuscated decoder layers for each "
+             "victim prompt; head permutation undone by Hungarian matching against the candidate's heads; the "
+             "public plaintext model for gradient-based inversion; no key, no obfuscated weights")
+
+
+# --- IMA: learned inversion -----------------------------------------------------------------------------------
+
+
+class InversionModel(torch.nn.Module):
+    """Obfuscated states (batch, n, D_in) -> predicted plaintext embeddings (batch, n, d_out): an input projection,
+    learned positions, a small bidirectional transformer encoder (the attacker sees the whole prompt)."""
+
+    def __init__(self, d_in: int, d_out: int, width: int = 128, layers: int = 2, heads: int = 4, max_len: int = 256):
+        super().__init__()
+        self.inp = torch.nn.Sequential(torch.nn.LayerNorm(d_in), torch.nn.Linear(d_in, width))
+        self.pos = torch.nn.Embedding(max_len, width)
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.out = torch.nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = self.pos(torch.arange(x.shape[1], device=x.device)).unsqueeze(0)
+        return self.out(self.enc(self.inp(x) + pos))
+
+
+@dataclass
+class IMAConfig:
+    layer: int = 0  # 0 = embedding output (the paper's IMA inverts obfuscated embeddings)
+    steps: int = 1500
+    batch: int = 16
+    seq_len: int = 48
+    train_tokens: int = 200_000  # attacker corpus size (tokens)
+    keys: int = 2  # attacker-sampled keys (own seeds) in the self-obfuscated variant
+    negatives: int = 2048  # random full-vocabulary negatives per step in the sampled softmax
+    lr: float = 1e-3
+    width: int = 128
+    depth: int = 2
+
+    @classmethod
+    def for_budget(cls, budget: Budget, **kw: Any) -> "IMAConfig":
+        s = budget.scale
+        cfg = cls(steps=max(60, int(3000 * s)), train_tokens=max(5_000, int(400_000 * s)),
+                  keys=max(1, min(3, int(round(4 * s)))))
+        return cfg if not kw else IMAConfig(**{**cfg.__dict__, **kw})
+
+
+UNPROTECTED = "none"  # key.params["mechanism"] of a target that is the plaintext model itself (positive control)
+
+
+def unprotected_target(plain_src: str | Path, vocab_size: int | None = None) -> AttackTarget:
+    """The plaintext model served as is (identity permutation, no key matrices): the weak target of the ISA/IMA
+    positive controls."""
+    from ..keyfile import KeyFile
+
+    t = AttackTarget(plain_src, plain_src, None)
+    t.obf_model = t.plain_model  # same object: the server runs the public model
+    n = vocab_size or int(t.plain_model.get_input_embeddings().weight.shape[0])
+    cfg = t.plain_model.config
+    t.key = KeyFile(vocab_permutation=list(range(n)), model_fingerprint="unprotected",
+                    params={"mechanism": UNPROTECTED},
+                    seed=0, h_effective=0, hidden_size=int(cfg.hidden_size), source=str(plain_src),
+                    architecture=type(t.plain_model).__name__)
+    return t
+
+
+def _train_token_stream(target: AttackTarget, n_tokens: int, seed: int, vocab: int) -> tuple[np.ndarray, str]:
+    """The attacker's public training text as plaintext ids, and where it came from."""
+    try:
+        from .data import corpus, tokenize_texts
+
+        tok = target.tokenizer
+        texts = corpus("fortunes") + corpus("debian-reference")
+        order = np.random.default_rng(seed).permutation(len(texts))
+        ids = tokenize_texts(tok, [texts[i] for i in order], max_tokens=n_tokens)
+        if len(ids) >= min(n_tokens, 1000):
+            return ids, ("fortunes + debian-reference (aloepri.attacks.data.corpus; disjoint from the victim's "
+                         "PII prompts)")
+    except Exception:
+        pass
+    # no tokenizer (tiny test checkpoints) or no corpus installed: Zipf-distributed random ids over the vocabulary
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, vocab + 1, dtype=np.float64)
+    p = (1.0 / ranks) / (1.0 / ranks).sum()
+    return rng.permutation(vocab)[rng.choice(vocab, size=n_tokens, p=p)], f"synthetic Zipf ids over {vocab} tokens"
+
+
+def _features(model, ids: torch.Tensor, layer: int, batch: int = 32) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([layer_states(model, layer, input_ids=ids[i:i + batch]).float()
+                          for i in range(0, len(ids), batch)])
+
+
+def _attacker_views(target: AttackTarget, chunks: torch.Tensor, cfg: IMAConfig, seed: int, oracle: bool,
+                    workdir: Path) -> tuple[list[torch.Tensor], str]:
+    """Training inputs: the attacker's chunks as some obfuscated model sees them, one tensor per key."""
+    params = dict(target.key.params) if target.key is not None else {}
+    if oracle:
+        obf_ids = torch.as_tensor(target.key.permutation)[chunks]  # the victim's key: oracle only
+        return [_features(target.obf_model, obf_ids, cfg.layer)], "oracle pairs from the victim's own key and model"
+    if params.get("mechanism") == UNPROTECTED:
+        return [_features(target.plain_model, chunks, cfg.layer)], "no protection (target is the plaintext model)"
+    import aloepri
+    from transformers import AutoModelForCausalLM
+
+    from ..keyfile import load_key
+    from ..params import ObfuscationParams
+
+    p = ObfuscationParams.from_dict(params)
+    views = []
+    for k in range(cfg.keys):
+        own_seed = int(np.random.default_rng([seed, k]).integers(1 << 31))
+        out, key_path = workdir / f"own-{k}", workdir / f"own-{k}.key"
+        aloepri.obfuscate(target.plain_src, out, key_path, p, seed=own_seed, progress=False)
+        own_key = load_key(key_path)
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=target.dtype).eval()
+        obf_ids = torch.as_tensor(own_key.permutation)[chunks]
+        views.append(_features(model, obf_ids, cfg.layer))
+        del model
+    return views, (f"{cfg.keys} attacker-sampled keys (aloepri.obfuscate of the public model, its own seeds, the "
+                   "target's public hyperparameters)")
+
+
+def train_inversion_model(views: list[torch.Tensor], chunks: torch.Tensor, plain_emb: torch.Tensor, cfg: IMAConfig,
+                          seed: int) -> tuple[InversionModel, float]:
+    """Fit ``InversionModel`` on (view, plaintext chunk) pairs: sampled-softmax over cosine similarity to the
+    plaintext embedding table (so tokens never seen in training are still reachable at test time)."""
+    gen = torch.Generator().manual_seed(seed)
+    target_emb = F.normalize(plain_emb.float(), dim=-1)
+    model = InversionModel(views[0].shape[-1], plain_emb.shape[1], cfg.width, cfg.depth,
+                           max_len=max(256, chunks.shape[1]))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
+    vocab = plain_emb.shape[0]
+    n_neg = min(cfg.negatives, vocab)
+    loss = torch.tensor(0.0)
+    for step in range(cfg.steps):
+        v = int(torch.randint(len(views), (1,), generator=gen))
+        rows = torch.randint(len(chunks), (cfg.batch,), generator=gen)
+        x, y = views[v][rows], chunks[rows]
+        pred = F.normalize(model(x), dim=-1)  # (b, n, d)
+        cand = torch.unique(torch.cat([y.flatten(), torch.randint(vocab, (n_neg,), generator=gen)]))
+        logits = pred @ target_emb[cand].T / 0.05
+        lookup = torch.full((vocab,), -1, dtype=torch.long)
+        lookup[cand] = torch.arange(len(cand))
+        loss = F.cross_entropy(logits.reshape(-1, len(cand)), lookup[y.flatten()])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model.eval(), float(loss.detach())
+
+
+def _ima(target: AttackTarget, data: PrivateData, budget: Budget, seed: int, oracle: bool,
+         cfg: IMAConfig | None = None) -> AttackResult:
+    cfg = cfg or IMAConfig.for_budget(budget)
+    plain_emb = _inner(target.plain_model).embed_tokens.weight.detach()
+    vocab = plain_emb.shape[0]
+    stream, provenance = _train_token_stream(target, cfg.train_tokens, seed, vocab)
+    n_chunks = len(stream) // cfg.seq_len
+    if n_chunks < 2:
+        raise ValueError(f"attacker corpus too small: {len(stream)} tokens for seq_len {cfg.seq_len}")
+    chunks = torch.as_tensor(stream[: n_chunks * cfg.seq_len].reshape(n_chunks, cfg.seq_len), dtype=torch.long)
+    with tempfile.TemporaryDirectory(prefix="aloepri-ima-") as tmp:
+        views, source = _attacker_views(target, chunks, cfg, seed, oracle, Path(tmp))
+    model, final_loss = train_inversion_model(views, chunks, plain_emb, cfg, seed)
+    del views
+    observed = data.observed(target)
+    table = F.normalize(plain_emb.float(), dim=-1)
+    predicted = []
+    with torch.no_grad():
+        for obs in observed:
+            ids = torch.tensor([obs])
+            x = layer_states(target.obf_model, cfg.layer, input_ids=ids).float()
+            pred = F.normalize(model(x)[0], dim=-1)
+            predicted.append((pred @ table.T).argmax(-1).tolist())
+    idx = list(range(len(observed)))
+    metrics = _score(target, data, predicted, idx)
+    metrics["final_train_loss"] = final_loss
+    name = "ima_oracle" if oracle else "ima"
+    n_params = sum(p.numel() for p in model.parameters())
+    return AttackResult(
+        name, metrics["ttrsr"], metrics["piirsr"], metrics,
+        budget={"budget": budget.name, "layer": cfg.layer, "steps": cfg.steps, "batch": cfg.batch,
+                "seq_len": cfg.seq_len, "train_tokens": int(n_chunks * cfg.seq_len), "keys": 1 if oracle else cfg.keys,
+                "model": f"{cfg.depth}-layer encoder, width {cfg.width}, {n_params} parameters",
+                "negatives": cfg.negatives, "train_data": provenance,
+                "candidate_pool": f"full vocabulary ({vocab}), nearest plaintext embedding"},
+        uses=(f"obfuscated states after decoder layer {cfg.layer} (0 = embedding output) of the victim's prompts; "
+              f"training pairs: {source}; the public plaintext model and tokenizer"
+              + ("; ORACLE: the victim's key was used to build training pairs (stronger than the threat model)"
+                 if oracle else "")))
+
+
+@register("isa_hidden")
+def isa_hidden(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """ISA on hidden states: invert key-invariant statistics of the residual stream at a shallow layer."""
+    return isa_hidden_attack(target, data, budget, seed)
+
+
+@register("isa_attention")
+def isa_attention(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """ISA on attention scores: invert attention probabilities, head permutation solved by matching."""
+    return isa_attention_attack(target, data, budget, seed)
+
+
+@register("ima")
+def ima(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """IMA, the paper's setting: inversion model trained on data the attacker obfuscates with its own keys."""
+    return _ima(target, data, budget, seed, oracle=False)
+
+
+@register("ima_oracle")
+def ima_oracle(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """IMA with oracle pairs from the victim's own key (stronger than the threat model; reported separately)."""
+    return _ima(target, data, budget, seed, oracle=True)

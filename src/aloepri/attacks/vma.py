@@ -1,0 +1,318 @@
+"""VMA: the Vocabulary-Matching Attack (Thomas et al.; the paper's Appendix "Potential Threats").
+
+What the attacker uses: the public plaintext model and the obfuscated weights the server holds. No key, no
+plaintext/obfuscated pairs, no prompts (the observed ids are only what it decodes with the recovered mapping).
+
+Each weight combination of the paper's Table "Weight combinations to recover Pi" has the form Y = Pi X Z, with X
+computable from the public model and Y from the obfuscated one (the key matrices cancel, P Q = I):
+
+    embed.head        Pi (W_e+N) diag(w) (W_h+N')^T Pi^T        (Z = Pi^T)
+    embed.qk (layer)  Pi W_e Wq (W_e Wk)^T Pi^T                  (per-pair R H / R H^-1 cancel in q.k; heads
+                                                                  and blocks are permuted together, so the sum
+                                                                  over heads is unchanged; RoPE offset 0)
+    embed.gate        Pi W_e diag(w) W_gate^T Z_ffn
+    embed.up          Pi W_e diag(w) W_up^T H_ffn Z_ffn
+    down.head         Pi W_h diag(w) W_down H_ffn^-1 Z_ffn      (the table's down.head, transposed)
+    embed.router      Pi W_e diag(w) W_router^T Z_router         (MoE only)
+
+RowSort(Y) = RowSort(X Z) removes the column permutation Z; a per-column normalisation first (each column divided
+by its norm over the whole vocabulary) removes the diagonal scalings H (and any global scale such as the constant
+RMSNorm weight kappa). Each obfuscated row is then matched to the nearest plaintext row over the FULL vocabulary
+(Euclidean on row-sorted signatures, compressed to ``sketch`` evenly spaced order statistics so every source
+fits in memory), per source (product x layer), and the sources vote (majority of per-source nearest neighbours,
+ties broken by the summed distance).
+
+Queries: every distinct observed obfuscated id of the private prompts, plus a seeded sample of the vocabulary to
+estimate vocabulary-level recovery (``vocab_recovery_sampled``; the sample size is reported).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
+
+Tensor = torch.Tensor
+
+# --- reading weights from a Hugging Face causal LM (plain or obfuscated: same layout) ---------------------------
+
+
+def _inner(model):
+    return getattr(model, "model", model)
+
+
+def _w(module) -> Tensor:
+    return module.weight.detach().to(torch.float32)
+
+
+def embed_matrix(model) -> Tensor:
+    return _w(model.get_input_embeddings())
+
+
+def head_matrix(model) -> Tensor:
+    """Head rows with the final RMSNorm weight fused (what multiplies the normalised last hidden state)."""
+    return _w(model.get_output_embeddings()) * _w(_inner(model).norm)[None, :]
+
+
+def num_layers(model) -> int:
+    return len(_inner(model).layers)
+
+
+def _layer(model, i: int):
+    return _inner(model).layers[i]
+
+
+def mlp_readers(model, i: int) -> dict[str, Tensor]:
+    """Dense FFN weights of layer i, RMSNorm weight fused into the readers: gate/up (ffn, width), down (width, ffn),
+    and the MoE router (experts, width) when the layer has one. Empty for layers without them."""
+    layer = _layer(model, i)
+    norm = _w(layer.post_attention_layernorm)
+    mlp = layer.mlp
+    out: dict[str, Tensor] = {}
+    if hasattr(mlp, "gate_proj"):
+        out["gate"] = _w(mlp.gate_proj) * norm[None, :]
+        out["up"] = _w(mlp.up_proj) * norm[None, :]
+        out["down"] = _w(mlp.down_proj)
+    router = getattr(mlp, "gate", None)
+    if router is not None and hasattr(router, "weight"):
+        out["router"] = router.weight.detach().to(torch.float32) * norm[None, :]
+    return out
+
+
+def qk_bilinear(model, i: int) -> Tensor | None:
+    """M = sum over query heads h of Wq_h^T Wk_kv(h) (width x width), norm fused: the attention score of two
+    tokens at RoPE offset 0 is x M y^T. None when the layer has per-head q/k norms (Qwen3), which make it
+    non-bilinear."""
+    layer = _layer(model, i)
+    attn = layer.self_attn
+    if not hasattr(attn, "q_proj") or getattr(attn, "q_norm", None) is not None:
+        return None
+    cfg = model.config
+    nh, nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    norm = _w(layer.input_layernorm)
+    wq = _w(attn.q_proj) * norm[None, :]
+    wk = _w(attn.k_proj) * norm[None, :]
+    dh = wq.shape[0] // nh
+    wk_rep = wk.reshape(nkv, dh, -1).repeat_interleave(nh // nkv, dim=0).reshape(nh * dh, -1)
+    return wq.T @ wk_rep
+
+
+# --- signatures ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """One weight combination: Y = left @ right (n x m). ``column_normalize`` divides each column by its norm over
+    all n rows (kills H and global scales); otherwise the whole matrix is scaled to unit RMS (computed exactly from
+    Gram matrices, so a query subset gets the same scale as the full matrix)."""
+
+    name: str
+    layer: int | None
+    left: Tensor  # (n, a)
+    right: Tensor  # (a, m)
+    column_normalize: bool
+    left_gram: Tensor  # left^T left in float64 (shared by the sources with the same left factor)
+
+
+def _column_scale(src: Source) -> Tensor:
+    gram = src.left_gram
+    r = src.right.double()
+    if src.column_normalize:
+        return ((gram @ r) * r).sum(0).clamp_min(1e-30).rsqrt().float()  # 1 / column norms
+    fro2 = float(((gram @ r) * r).sum())
+    rms = (fro2 / (src.left.shape[0] * src.right.shape[1])) ** 0.5
+    return torch.full((src.right.shape[1],), 1.0 / max(rms, 1e-30))
+
+
+def gram(m: Tensor, chunk: int = 8192) -> Tensor:
+    """m^T m in float64, chunk by chunk (no float64 copy of m)."""
+    out = torch.zeros(m.shape[1], m.shape[1], dtype=torch.float64)
+    for s in range(0, m.shape[0], chunk):
+        c = m[s:s + chunk].double()
+        out += c.T @ c
+    return out
+
+
+def sketch_positions(m: int, k: int) -> Tensor:
+    """Evenly spaced order statistics of a sorted row of length m (all of them when m <= k)."""
+    if m <= k:
+        return torch.arange(m)
+    return torch.linspace(0, m - 1, k).round().long()
+
+
+def signatures(src: Source, rows: Tensor | None, sketch: int, chunk: int = 1024) -> Tensor:
+    """Row-sorted, normalised rows of Y = left @ right (all rows, or ``rows``), compressed to ``sketch`` columns.
+    Scaled by sqrt(m / k) so distances do not depend on the sketch size."""
+    scale = _column_scale(src)
+    right = src.right * scale[None, :]
+    idx = torch.arange(src.left.shape[0]) if rows is None else rows
+    pos = sketch_positions(right.shape[1], sketch)
+    out = torch.empty(len(idx), len(pos))
+    for s in range(0, len(idx), chunk):
+        y = src.left[idx[s:s + chunk]] @ right
+        out[s:s + chunk] = torch.sort(y, dim=1).values[:, pos]
+    return out * (right.shape[1] / len(pos)) ** 0.5
+
+
+def vma_sources(model, products: tuple[str, ...], layers: list[int], qk_layers: list[int]) -> list[Source]:
+    """The paper's weight combinations for one model (plain or obfuscated), in a fixed order."""
+    emb = embed_matrix(model)
+    g_emb = gram(emb)
+    out: list[Source] = []
+    if "embed.head" in products:
+        out.append(Source("embed.head", None, emb, head_matrix(model).T, False, g_emb))
+    for i in qk_layers:
+        m = qk_bilinear(model, i)
+        if m is not None and "embed.qk" in products:
+            out.append(Source("embed.qk", i, emb, m @ emb.T, False, g_emb))
+    head = head_matrix(model) if "down.head" in products else None
+    g_head = gram(head) if head is not None else None
+    for i in layers:
+        r = mlp_readers(model, i)
+        if "gate" in r and "embed.gate" in products:
+            out.append(Source("embed.gate", i, emb, r["gate"].T, True, g_emb))
+        if "up" in r and "embed.up" in products:
+            out.append(Source("embed.up", i, emb, r["up"].T, True, g_emb))
+        if "down" in r and head is not None:
+            out.append(Source("down.head", i, head, r["down"], True, g_head))
+        if "router" in r and "embed.router" in products:
+            out.append(Source("embed.router", i, emb, r["router"].T, True, g_emb))
+    return out
+
+
+# --- matching --------------------------------------------------------------------------------------------------
+
+
+def _nearest(query_sigs: list[Tensor], cand_sigs: list[Tensor], chunk: int) -> np.ndarray:
+    """Per-source nearest candidate of every query: (sources, q)."""
+    q = query_sigs[0].shape[0]
+    out = np.empty((len(query_sigs), q), dtype=np.int64)
+    for s in range(0, q, chunk):
+        for j, (qs, cs) in enumerate(zip(query_sigs, cand_sigs)):
+            out[j, s:s + chunk] = torch.cdist(qs[s:s + chunk], cs).argmin(dim=1).numpy()
+    return out
+
+
+def consistent_sources(per_source: np.ndarray, min_agreement: float = 0.02) -> np.ndarray:
+    """Indices of the sources whose nearest neighbours agree with at least one other source on >= min_agreement
+    of the queries (chance agreement is ~1/vocabulary). Unsupervised: no key, no truth. All sources when fewer
+    than two pass."""
+    k = per_source.shape[0]
+    if k == 1:
+        return np.arange(1)
+    agree = np.zeros((k, k))
+    for a in range(k):
+        for b in range(a + 1, k):
+            agree[a, b] = agree[b, a] = float((per_source[a] == per_source[b]).mean())
+    keep = np.flatnonzero(agree.max(axis=1) >= min_agreement)
+    return keep if len(keep) >= 2 else np.arange(k)
+
+
+def vote_match(query_sigs: list[Tensor], cand_sigs: list[Tensor], chunk: int = 256
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Nearest candidate row per query, per source and fused. Returns (fused guess (q,), per-source guesses
+    (sources, q), summed-distance guess (q,), kept source indices). Fusion: the sources that agree with another
+    source more often than chance (``consistent_sources``) vote with their nearest neighbours; among the
+    candidates with the most votes, the one with the smallest summed squared distance over those sources wins."""
+    per_source = _nearest(query_sigs, cand_sigs, chunk)
+    if len(query_sigs) == 1:
+        return per_source[0], per_source, per_source[0], np.arange(1)
+    keep = consistent_sources(per_source)
+    q = query_sigs[0].shape[0]
+    fused = np.empty(q, dtype=np.int64)
+    summed = np.empty(q, dtype=np.int64)
+    for s in range(0, q, chunk):
+        total = None
+        for j in keep:
+            d = torch.cdist(query_sigs[j][s:s + chunk], cand_sigs[j]).square_()
+            total = d if total is None else total.add_(d)
+        summed[s:s + chunk] = total.argmin(dim=1).numpy()
+        for r in range(total.shape[0]):
+            cands, counts = np.unique(per_source[keep, s + r], return_counts=True)
+            best = cands[counts == counts.max()]
+            fused[s + r] = best[int(total[r, torch.from_numpy(best)].argmin())] if len(best) > 1 else best[0]
+    return fused, per_source, summed, keep
+
+
+def query_ids(observed: list[list[int]], vocab: int, sample: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(all query obfuscated ids, the seeded uniform sample among them used for vocabulary-level recovery)."""
+    rng = np.random.default_rng(seed)
+    sampled = np.sort(rng.choice(vocab, size=min(sample, vocab), replace=False))
+    seen = np.unique(np.fromiter((i for ids in observed for i in ids), dtype=np.int64))
+    return np.union1d(seen, sampled), sampled
+
+
+# Budgets: candidate pool is ALWAYS the full vocabulary; these set the sources and the query sample.
+VMA_BUDGETS: dict[str, dict] = {
+    "ci": {"mlp_layers": 2, "qk_layers": 0, "embed_head": False, "vocab_sample": 256, "sketch": 128},
+    "small": {"mlp_layers": 4, "qk_layers": 1, "embed_head": True, "vocab_sample": 1024, "sketch": 128},
+    "full": {"mlp_layers": 8, "qk_layers": 2, "embed_head": True, "vocab_sample": 4096, "sketch": 128},
+}
+ALL_PRODUCTS = ("embed.head", "embed.qk", "embed.gate", "embed.up", "down.head", "embed.router")
+
+
+def spread_layers(total: int, k: int) -> list[int]:
+    """k layers evenly spread over the depth (all when k >= total)."""
+    if k <= 0:
+        return []
+    return sorted({int(x) for x in np.linspace(0, total - 1, min(k, total)).round()})
+
+
+def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
+            products: tuple[str, ...] = ALL_PRODUCTS, config: dict | None = None,
+            log: Callable[[str], None] | None = None) -> AttackResult:
+    cfg = dict(VMA_BUDGETS.get(budget.name, VMA_BUDGETS["full"]))
+    cfg.update(config or {})
+    plain, obf = target.plain_model, target.obf_model
+    n = embed_matrix(plain).shape[0]
+    if embed_matrix(obf).shape[0] != n:
+        raise ValueError(f"vocabulary sizes differ: plain {n}, obfuscated {embed_matrix(obf).shape[0]}")
+    L = num_layers(plain)
+    layers = spread_layers(L, cfg["mlp_layers"])
+    qk_layers = spread_layers(L, cfg["qk_layers"])
+    prods = tuple(p for p in products if p != "embed.head" or cfg["embed_head"])
+    observed = data.observed(target)
+    queries, sampled = query_ids(observed, n, cfg["vocab_sample"], seed)
+    q_t = torch.from_numpy(queries)
+    srcs_p = vma_sources(plain, prods, layers, qk_layers)
+    srcs_o = vma_sources(obf, prods, layers, qk_layers)
+    if [(s.name, s.layer) for s in srcs_p] != [(s.name, s.layer) for s in srcs_o]:
+        raise ValueError("plain and obfuscated models expose different weight combinations (architecture mismatch)")
+    if not srcs_p:
+        raise ValueError(f"no VMA weight combination available for products {prods}")
+    cand, qry = [], []
+    for sp, so in zip(srcs_p, srcs_o):
+        cand.append(signatures(sp, None, cfg["sketch"]))
+        qry.append(signatures(so, q_t, cfg["sketch"]))
+        if log:
+            log(f"VMA source {sp.name} layer {sp.layer} ready")
+    fused, per_source, summed, keep = vote_match(qry, cand)
+
+    mapping = np.full(n, -1, dtype=np.int64)
+    mapping[queries] = fused
+    scores = score_mapping(target, data, mapping)
+    scores.pop("vocab_recovery", None)  # only the queried ids are mapped: report the sampled estimate instead
+    truth = np.argsort(target.true_permutation())[queries]  # scoring only
+    in_sample = np.isin(queries, sampled)
+    names = [f"{s.name}@{s.layer}" if s.layer is not None else s.name for s in srcs_p]
+    scores["vocab_recovery_sampled"] = float((fused[in_sample] == truth[in_sample]).mean())
+    scores["vocab_recovery_sampled_sum_fusion"] = float((summed[in_sample] == truth[in_sample]).mean())
+    scores["per_source_vocab_recovery"] = {nm: float((per_source[j][in_sample] == truth[in_sample]).mean())
+                                          for j, nm in enumerate(names)}
+    return AttackResult(
+        "vma", scores["ttrsr"], scores["piirsr"], scores,
+        budget={"budget": budget.name, "candidate_pool": n, "candidate_pool_is_full_vocabulary": True,
+                "sources": names, "sources_voting": [names[j] for j in keep],
+                "sketch_order_statistics": cfg["sketch"], "vocab_sample": int(len(sampled)),
+                "queries": int(len(queries))},
+        uses="public plaintext weights + obfuscated weights (embedding, head, q/k, gate/up/down, router); no key, "
+             "no pairs")
+
+
+@register("vma")
+def vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """Vocabulary matching on every weight combination of the paper's Table (row sort + full-vocabulary NN + vote)."""
+    return run_vma(target, data, budget, seed)

@@ -1,0 +1,287 @@
+"""Privacy-utility frontier and parameter tuning: accuracy and attacks measured on the same obfuscated model.
+
+A *setting* is (source model, ObfuscationParams, seed). ``evaluate_setting`` obfuscates once, then measures
+fidelity against the plaintext model and runs the attacks of ``aloepri.attacks`` on that very output, so privacy
+and accuracy always come from the same run. ``ResultStore`` keeps results in one JSON file that several processes
+can share (an exclusive lock around every read-modify-write; a setting is claimed before it is computed), so a
+sweep resumes where it stopped and two workers on two cores split it. ``tune`` searches a candidate list for the
+setting with the lowest attack success inside an accuracy budget and writes a preset file for ``obfuscate``.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .params import ObfuscationParams
+
+# Attacks used when none are named: every registered attack that needs no training run (the trained ones, IMA
+# and SDA, are minutes each even at small budgets; name them explicitly to include them).
+DEFAULT_ATTACKS = ("vma", "gate-ia", "attn-ia", "nn", "tfma", "freq-ridge")
+
+
+@dataclass
+class Criterion:
+    """The accuracy budget: a setting is admissible if every given bound holds."""
+
+    max_kl: float | None = None
+    min_top1: float | None = None
+
+    def admits(self, fidelity: dict[str, Any]) -> bool:
+        if self.max_kl is not None and fidelity["mean_kl"] > self.max_kl:
+            return False
+        if self.min_top1 is not None and fidelity["top1_agreement"] < self.min_top1:
+            return False
+        return True
+
+    def describe(self) -> str:
+        parts = [f"mean KL <= {self.max_kl}" if self.max_kl is not None else "",
+                 f"top-1 agreement >= {self.min_top1}" if self.min_top1 is not None else ""]
+        return " and ".join(p for p in parts if p) or "no accuracy bound"
+
+
+def setting_key(model: str, params: ObfuscationParams, seed: int, extra: dict[str, Any] | None = None) -> str:
+    blob = json.dumps({"model": model, "params": params.to_dict(), "seed": seed, **(extra or {})}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class ResultStore:
+    """One JSON file of {key: entry}; entries are {"status": "running"|"done", ...}. Safe for parallel workers."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_path = self.path.with_suffix(self.path.suffix + ".lock")
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self._lock_path, "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                data = json.loads(self.path.read_text()) if self.path.exists() else {}
+                yield data
+                tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+                os.replace(tmp, self.path)  # readers never see a half-written file
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def load(self) -> dict[str, Any]:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def claim(self, key: str, info: dict[str, Any]) -> bool:
+        """True if this process should compute ``key``: not done and not running in a live process."""
+        with self._locked() as data:
+            entry = data.get(key)
+            if entry and entry.get("status") == "done":
+                return False
+            if entry and entry.get("status") == "running" and _alive(entry.get("pid")) and entry.get("pid") != os.getpid():
+                return False
+            data[key] = {**info, "status": "running", "pid": os.getpid(), "started": time.time()}
+            return True
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        with self._locked() as data:
+            data[key] = {**entry, "status": "done"}
+
+    def release(self, key: str) -> None:
+        with self._locked() as data:
+            if data.get(key, {}).get("status") == "running":
+                del data[key]
+
+
+def _alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+@dataclass
+class Evaluator:
+    """Everything shared by the settings of one sweep: the plaintext model, prompts, private data, attacks."""
+
+    src: Path
+    attacks: Sequence[str] = DEFAULT_ATTACKS
+    budget: str = "small"
+    fidelity_prompts: int = 20
+    greedy_tokens: int = 0
+    private_prompts: int = 30
+    _plain: Any = field(default=None, repr=False)
+    _tok: Any = field(default=None, repr=False)
+    _data: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        from .attacks import REGISTRY
+
+        self.src = Path(self.src)
+        unknown = [a for a in self.attacks if a not in REGISTRY]
+        if unknown:
+            raise ValueError(f"unknown attack(s) {unknown}; available: {sorted(REGISTRY)}")
+
+    def _prepare(self) -> None:
+        if self._plain is not None:
+            return
+        from .attacks.data import private_prompts
+        from .fidelity import builtin_prompt_ids
+        from .inference import load_plain_model
+
+        self._plain = load_plain_model(self.src)
+        from transformers import AutoTokenizer
+
+        p = self.src
+        self._tok = (AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name) if p.is_file()
+                     else AutoTokenizer.from_pretrained(str(p)))
+        self._fid_ids = builtin_prompt_ids(self._tok, self._plain.config.vocab_size, self.fidelity_prompts)
+        self._data = private_prompts(self._tok, self.private_prompts, seed=0)
+
+    def evaluate(self, params: ObfuscationParams, seed: int, workdir: Path | None = None) -> dict[str, Any]:
+        """Obfuscate with ``params``/``seed``, then fidelity and every attack on that output."""
+        from transformers import AutoModelForCausalLM
+
+        from . import obfuscate
+        from .attacks import REGISTRY, AttackTarget, Budget
+        from .fidelity import compare
+        from .keyfile import load_key
+
+        self._prepare()
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+            out, key_path = Path(tmp) / "model", Path(tmp) / "key.json"
+            obfuscate(self.src, out, key_path, params, seed=seed, progress=False)
+            key = load_key(key_path)
+            obf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+            fid = compare(self._plain, obf, key, self._fid_ids, greedy_tokens=self.greedy_tokens).to_dict()
+            del obf
+            target = AttackTarget(self.src, out, key)
+            target.__dict__["plain_model"] = self._plain  # share the loaded plaintext model (cached_property slot)
+            target.__dict__["tokenizer"] = self._tok
+            attacks = {}
+            for name in self.attacks:
+                res = REGISTRY[name](target, self._data, Budget.named(self.budget), seed)
+                attacks[name] = {"ttrsr": res.ttrsr, "piirsr": res.piirsr, "seconds": res.seconds,
+                                 "budget": res.budget, **{k: v for k, v in res.metrics.items()
+                                                          if isinstance(v, (int, float)) or v is None}}
+        ttrsrs = [a["ttrsr"] for a in attacks.values() if a["ttrsr"] is not None]
+        return {"params": params.to_dict(), "seed": seed, "fidelity": fid, "attacks": attacks,
+                "max_ttrsr": max(ttrsrs) if ttrsrs else None, "budget": self.budget,
+                "seconds": time.perf_counter() - t0}
+
+
+def sweep(evaluator: Evaluator, settings: Iterable[ObfuscationParams], store: ResultStore, seed: int = 1,
+          label: str = "", progress: bool = True) -> list[dict[str, Any]]:
+    """Evaluate every setting not yet in ``store`` (resumable; run it from two processes to use two cores)."""
+    done = []
+    for params in settings:
+        extra = {"attacks": sorted(evaluator.attacks), "budget": evaluator.budget,
+                 "fidelity_prompts": evaluator.fidelity_prompts, "private_prompts": evaluator.private_prompts}
+        key = setting_key(str(evaluator.src.name), params, seed, extra)
+        if not store.claim(key, {"label": label, "params": params.to_dict()}):
+            entry = store.load().get(key)
+            if entry and entry.get("status") == "done":
+                done.append(entry)
+            continue
+        try:
+            entry = {"label": label, "model": evaluator.src.name, **evaluator.evaluate(params, seed)}
+        except BaseException:
+            store.release(key)
+            raise
+        store.put(key, entry)
+        done.append(entry)
+        if progress:
+            f = entry["fidelity"]
+            print(f"[{label}] top-1 {f['top1_agreement']:.3f} KL {f['mean_kl']:.4f} max TTRSR "
+                  f"{entry['max_ttrsr']} ({entry['seconds']:.0f} s) {params_summary(params)}", flush=True)
+    return done
+
+
+def params_summary(p: ObfuscationParams) -> str:
+    return f"alpha_e={p.alpha_e} alpha_h={p.alpha_h} lam={p.lam} h={p.h} beta={p.beta}"
+
+
+def default_candidates(base: ObfuscationParams) -> list[ObfuscationParams]:
+    """Noise levels from light to heavy (the noise is what protects the vocabulary permutation)."""
+    out = []
+    for ae, ah in ((0.05, 0.02), (0.1, 0.05), (0.2, 0.05), (0.3, 0.1), (0.5, 0.1), (0.7, 0.15), (1.0, 0.2)):
+        out.append(base.replace(alpha_e=ae, alpha_h=ah))
+    return out
+
+
+def choose(results: Sequence[dict[str, Any]], criterion: Criterion) -> dict[str, Any] | None:
+    """The admissible result with the lowest max TTRSR; ties go to the better top-1 agreement."""
+    ok = [r for r in results if criterion.admits(r["fidelity"]) and r["max_ttrsr"] is not None]
+    if not ok:
+        return None
+    return min(ok, key=lambda r: (r["max_ttrsr"], -r["fidelity"]["top1_agreement"]))
+
+
+def tune(evaluator: Evaluator, criterion: Criterion, candidates: Sequence[ObfuscationParams], store: ResultStore,
+         out_file: str | Path, seed: int = 1) -> dict[str, Any]:
+    """Evaluate the candidates (resumable), pick the most attack-resistant admissible one, write a preset file
+    that ``aloepri obfuscate --preset-file`` takes. Raises ValueError when no candidate meets the budget."""
+    results = sweep(evaluator, candidates, store, seed=seed, label="tune")
+    best = choose(results, criterion)
+    table = [{"params": params_summary(ObfuscationParams.from_dict(r["params"])),
+              "top1": r["fidelity"]["top1_agreement"], "kl": r["fidelity"]["mean_kl"], "max_ttrsr": r["max_ttrsr"],
+              "admissible": criterion.admits(r["fidelity"])} for r in results]
+    if best is None:
+        raise ValueError(f"no candidate meets the accuracy budget ({criterion.describe()}); measured: {table}")
+    preset = {"params": best["params"], "criterion": criterion.describe(), "model": evaluator.src.name,
+              "measured": {"fidelity": best["fidelity"], "attacks": best["attacks"], "max_ttrsr": best["max_ttrsr"],
+                           "budget": best["budget"], "seed": seed},
+              "candidates": table}
+    out_file = Path(out_file)
+    tmp = out_file.with_suffix(out_file.suffix + ".partial")
+    tmp.write_text(json.dumps(preset, indent=2) + "\n")
+    os.replace(tmp, out_file)
+    return preset
+
+
+def add_tune_commands(sub) -> None:
+    p = sub.add_parser("tune", help="search obfuscation parameters: lowest attack success within an accuracy budget")
+    p.add_argument("src", help="plaintext model (HF directory or .gguf) -- also the attacker's public model")
+    p.add_argument("--max-kl", type=float, default=None, help="accuracy budget: mean KL(plain || obf) per position")
+    p.add_argument("--min-top1", type=float, default=None, help="accuracy budget: top-1 agreement")
+    p.add_argument("--out", required=True, help="preset file to write (use with `obfuscate --preset-file`)")
+    p.add_argument("--attacks", default=",".join(DEFAULT_ATTACKS), help="comma-separated attack names")
+    p.add_argument("--budget", choices=["ci", "small", "full"], default="small")
+    p.add_argument("--alpha-e", default=None, help="comma-separated alpha_e candidates (default: a 7-step ladder)")
+    p.add_argument("--alpha-h", type=float, default=None, help="alpha_h for the --alpha-e candidates")
+    p.add_argument("--base-preset", default="default", help="preset the candidates vary")
+    p.add_argument("--prompts", type=int, default=20, help="fidelity prompts (built-in chat prompts)")
+    p.add_argument("--private-prompts", type=int, default=30, help="PII prompts the attacks try to recover")
+    p.add_argument("--results", default=None, help="resumable results JSON (default: next to --out)")
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(func=_cmd_tune)
+
+
+def _cmd_tune(a) -> int:
+    from .params import resolve_params
+
+    if a.max_kl is None and a.min_top1 is None:
+        raise ValueError("give an accuracy budget: --max-kl and/or --min-top1")
+    base = resolve_params(a.base_preset)
+    if a.alpha_e:
+        ah = a.alpha_h if a.alpha_h is not None else base.alpha_h
+        candidates = [base.replace(alpha_e=float(x), alpha_h=ah) for x in a.alpha_e.split(",")]
+    else:
+        candidates = default_candidates(base)
+    ev = Evaluator(Path(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
+    store = ResultStore(a.results or Path(a.out).with_suffix(".results.json"))
+    preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed)
+    m = preset["measured"]
+    print(json.dumps({"chosen": preset["params"], "top1": m["fidelity"]["top1_agreement"],
+                      "mean_kl": m["fidelity"]["mean_kl"], "max_ttrsr": m["max_ttrsr"],
+                      "per_attack_ttrsr": {k: v["ttrsr"] for k, v in m["attacks"].items()}}, indent=2))
+    print(f"wrote {a.out}; use: aloepri obfuscate SRC OUT --key-out KEY --preset-file {a.out}")
+    return 0
