@@ -29,11 +29,14 @@ SWEEPS = {  # series -> overrides of the `default` preset, one dict per point; t
     "h": [{"h": v} for v in (32, 128, 256)],
     "beta": [{"beta": v} for v in (1, 8, 32)],
     "shared_c": [{"shared_c": v} for v in (True, False)],
+    # embedding and head noise together: VMA matches through down x head as well as through the embedding, so the
+    # permutation is only as hidden as the *smaller* of the two noises
+    "alpha_e=alpha_h": [{"alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3, 0.5)],
     # beyond the paper: the same noise energy shaped per column or per row (docs/accuracy.md)
-    "noise_shape=column": [{"noise_shape": "column", "alpha_e": v} for v in (0.1, 0.2, 0.3, 0.5)],
-    "noise_shape=row": [{"noise_shape": "row", "alpha_e": v} for v in (0.1, 0.2, 0.3, 0.5)],
+    "noise_shape=column": [{"noise_shape": "column", "alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3)],
+    "noise_shape=row": [{"noise_shape": "row", "alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3)],
 }
-SERIES_X = {"noise_shape=column": "alpha_e", "noise_shape=row": "alpha_e"}
+SERIES_X = {"noise_shape=column": "alpha_e", "noise_shape=row": "alpha_e", "alpha_e=alpha_h": "alpha_e"}
 
 
 def model_path(name: str) -> Path:
@@ -69,6 +72,22 @@ def plot(store_path: Path, png: Path) -> None:
     print(f"wrote {png}")
 
 
+def table(store_path: Path) -> str:
+    """Markdown table of the finished points: one row per setting, TTRSR per attack."""
+    data = [e for e in json.loads(store_path.read_text()).values() if e.get("status") == "done"]
+    attacks = sorted({a for e in data for a in e["attacks"]})
+    rows = ["| series | setting | top-1 | KL | " + " | ".join(f"{a} TTRSR" for a in attacks) + " | max |",
+            "|---|---|---|---|" + "---|" * (len(attacks) + 1)]
+    for e in sorted(data, key=lambda e: (e["label"], str(e["params"].get(SERIES_X.get(e["label"], e["label"]))))):
+        p = e["params"]
+        x = SERIES_X.get(e["label"], e["label"])
+        cells = [f"{e['attacks'][a]['ttrsr']:.3f}" if a in e["attacks"] and e["attacks"][a]["ttrsr"] is not None
+                 else "-" for a in attacks]
+        rows.append(f"| {e['label']} | {x}={p[x]} | {e['fidelity']['top1_agreement']:.3f} | "
+                    f"{e['fidelity']['mean_kl']:.4f} | " + " | ".join(cells) + f" | {e['max_ttrsr']:.3f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
@@ -90,6 +109,8 @@ def main() -> None:
         for name in a.sweeps:
             sweep(ev, [base.replace(**o) for o in SWEEPS[name]], store, seed=1, label=name)
     plot(store_path, RESULTS / f"frontier_{a.model}.png")
+    if a.list:
+        print(table(store_path))
 
 
 if __name__ == "__main__":
