@@ -96,12 +96,11 @@ def test_obfuscated_weights_are_not_the_plain_weights(arch, tiny_dir, obfuscated
     assert not torch.allclose(e_o[:, : e_p.shape[1]], e_p * ratio[0])
 
 
-@pytest.mark.parametrize("arch", ["llama_bias", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama_bias", "qwen2", "qwen3", "qwen2_moe", "deepseek_v3"])
 def test_noisy_presets_stay_close_and_load(arch, tiny_dir, obfuscated):
     """default/paper presets are approximations: they must load and keep the logits correlated."""
     out, key = obfuscated(arch, preset="default")
-    plain = AutoModelForCausalLM.from_pretrained(tiny_dir(arch), dtype=torch.float64).eval()
-    obf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)
     ids = torch.randint(0, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     lp = _logits(plain, ids)
     lo = _logits(obf, torch.tensor([key.encode_ids(r) for r in ids.tolist()]))[..., torch.from_numpy(key.permutation)]

@@ -85,18 +85,6 @@ def test_router_logits_are_permuted_and_optionally_normalised(normalize):
     assert (changed > 0.1) if normalize else (changed == 0.0), changed
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
-def test_default_preset_loads_and_stays_close(arch, tiny_dir, obfuscated_moe):
-    out, key = obfuscated_moe(arch, preset="default")
-    plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        lp = plain(ids).logits
-        lo = obf(torch.tensor([key.encode_ids(r) for r in ids.tolist()])).logits[..., torch.from_numpy(key.permutation)]
-    corr = np.corrcoef(lp.flatten().numpy(), lo.flatten().numpy())[0, 1]
-    assert 0.5 < corr < 0.999999, corr
-
-
 def test_moe_gguf_export_is_refused(tiny_dir, obfuscated_moe, tmp_path):
     from aloepri.gguf_export import GGUFExportError, export_gguf
 
