@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
-from .vma import _layer, _w, embed_matrix, num_layers, query_ids, spread_layers, vote_match
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register
+from .vma import _layer, _w, embed_matrix, match_features, num_layers, spread_layers
 
 Tensor = torch.Tensor
 
@@ -84,28 +84,10 @@ def attn_invariants(model, layers: list[int], sort_within_layer: bool) -> Tensor
     return torch.cat(feats, dim=1)
 
 
-def _match(target: AttackTarget, data: PrivateData, plain_feats: Tensor, obf_feats: Tensor, sample: int,
-           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    n = plain_feats.shape[0]
-    if obf_feats.shape != plain_feats.shape:
-        raise ValueError(f"invariant shapes differ: plain {tuple(plain_feats.shape)}, obfuscated "
-                         f"{tuple(obf_feats.shape)} (different architecture or head layout)")
-    queries, sampled = query_ids(data.observed(target), n, sample, seed)
-    fused, _, _, _ = vote_match([obf_feats[torch.from_numpy(queries)]], [plain_feats])
-    mapping = np.full(n, -1, dtype=np.int64)
-    mapping[queries] = fused
-    scores = score_mapping(target, data, mapping)
-    scores.pop("vocab_recovery", None)
-    truth = np.argsort(target.true_permutation())[queries]  # scoring only
-    in_sample = np.isin(queries, sampled)
-    scores["vocab_recovery_sampled"] = float((fused[in_sample] == truth[in_sample]).mean())
-    return queries, sampled, fused, scores
-
-
 def run_gate_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     cfg = IA_BUDGETS.get(budget.name, IA_BUDGETS["full"])
     plain_f, obf_f = gate_invariants(target.plain_model), gate_invariants(target.obf_model)
-    queries, sampled, _, scores = _match(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
+    queries, sampled, _, scores = match_features(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
     return AttackResult(
         "gate-ia", scores["ttrsr"], scores["piirsr"], scores,
         budget={"budget": budget.name, "candidate_pool": plain_f.shape[0], "candidate_pool_is_full_vocabulary": True,
@@ -120,7 +102,7 @@ def run_attn_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: i
     layers = spread_layers(num_layers(target.plain_model), cfg["attn_layers"])
     plain_f = attn_invariants(target.plain_model, layers, sort_within_layer)
     obf_f = attn_invariants(target.obf_model, layers, sort_within_layer)
-    queries, sampled, _, scores = _match(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
+    queries, sampled, _, scores = match_features(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
     name = "attn-ia-sorted" if sort_within_layer else "attn-ia"
     return AttackResult(
         name, scores["ttrsr"], scores["piirsr"], scores,

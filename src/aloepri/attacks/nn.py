@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
-from .vma import embed_matrix, query_ids, vote_match
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register
+from .vma import embed_matrix, match_features
 
 NN_BUDGETS = {"ci": {"vocab_sample": 256}, "small": {"vocab_sample": 1024}, "full": {"vocab_sample": 4096}}
 
@@ -36,17 +36,7 @@ def run_nn(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 
     obf = embed_matrix(target.obf_model)
     plain = pad_columns(embed_matrix(target.plain_model), obf.shape[1])
     n = plain.shape[0]
-    if obf.shape[0] != n:
-        raise ValueError(f"vocabulary sizes differ: plain {n}, obfuscated {obf.shape[0]}")
-    queries, sampled = query_ids(data.observed(target), n, cfg["vocab_sample"], seed)
-    guess, _, _, _ = vote_match([obf[torch.from_numpy(queries)]], [plain])
-    mapping = np.full(n, -1, dtype=np.int64)
-    mapping[queries] = guess
-    scores = score_mapping(target, data, mapping)
-    scores.pop("vocab_recovery", None)
-    truth = np.argsort(target.true_permutation())[queries]  # scoring only
-    in_sample = np.isin(queries, sampled)
-    scores["vocab_recovery_sampled"] = float((guess[in_sample] == truth[in_sample]).mean())
+    queries, sampled, _, scores = match_features(target, data, plain, obf, cfg["vocab_sample"], seed)
     return AttackResult(
         "nn", scores["ttrsr"], scores["piirsr"], scores,
         budget={"budget": budget.name, "candidate_pool": n, "candidate_pool_is_full_vocabulary": True,

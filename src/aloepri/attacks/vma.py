@@ -245,6 +245,26 @@ def query_ids(observed: list[list[int]], vocab: int, sample: int, seed: int) -> 
     return np.union1d(seen, sampled), sampled
 
 
+def match_features(target: AttackTarget, data: PrivateData, plain_feats: Tensor, obf_feats: Tensor, sample: int,
+                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """Nearest-neighbour match of per-token features (obfuscated rows of the observed ids plus a seeded vocabulary
+    sample, against every plaintext row), scored: returns (queries, sampled, guesses, scores)."""
+    n = plain_feats.shape[0]
+    if obf_feats.shape != plain_feats.shape:
+        raise ValueError(f"feature shapes differ: plain {tuple(plain_feats.shape)}, obfuscated "
+                         f"{tuple(obf_feats.shape)} (different architecture or head layout)")
+    queries, sampled = query_ids(data.observed(target), n, sample, seed)
+    fused, _, _, _ = vote_match([obf_feats[torch.from_numpy(queries)]], [plain_feats])
+    mapping = np.full(n, -1, dtype=np.int64)
+    mapping[queries] = fused
+    scores = score_mapping(target, data, mapping)
+    scores.pop("vocab_recovery", None)
+    truth = np.argsort(target.true_permutation())[queries]  # scoring only
+    in_sample = np.isin(queries, sampled)
+    scores["vocab_recovery_sampled"] = float((fused[in_sample] == truth[in_sample]).mean())
+    return queries, sampled, fused, scores
+
+
 # Budgets: candidate pool is ALWAYS the full vocabulary; these set the sources and the query sample.
 VMA_BUDGETS: dict[str, dict] = {
     "ci": {"mlp_layers": 2, "qk_layers": 0, "embed_head": False, "vocab_sample": 256, "sketch": 128},
