@@ -78,6 +78,22 @@ def test_isa_hidden_positive_control(tiny_exact):
     assert "no key" in res.uses
 
 
+def test_isa_hidden_codebook_on_unprotected(tiny_exact):
+    """Direct matching on the unprotected model proposes candidates from the codebook of every token's own state,
+    with no relaxation step at all. A random tiny model's attention swamps the token's own direction, so its
+    codebook ranks poorly (the true token in the nearest 8 of 96 for ~22% of positions); the list is exhaustive
+    here and the test checks the mechanics. That the codebook ranks well on real weights is measured on SmolLM2
+    (docs/security.md)."""
+    data = _random_prompts(2, 10, 96, seed=4)
+    weak = unprotected_target(tiny_exact.plain_src)
+    cfg = ISAConfig(layer=1, steps=0, refine_k=96, refine_sweeps=1, max_prompts=2, max_len=10)
+    res = isa_hidden_attack(weak, data, CI, seed=0, cfg=cfg)
+    assert res.budget["match"] == ["direct"] and res.budget["proposal"] == ["codebook"]
+    assert res.ttrsr >= 0.9, res.metrics
+    with pytest.raises(ValueError, match="direct"):
+        isa_hidden_attack(tiny_exact, data, CI, seed=0, cfg=ISAConfig(layer=1, proposal="codebook", max_len=10))
+
+
 def test_isa_attention_positive_control(tiny_exact):
     """>= 90% on the exact preset (head permutation ON, beta = 1): attention probabilities survive the key
     matrices and the Hungarian head assignment undoes the head permutation."""
@@ -142,3 +158,34 @@ def test_sda_positive_control(tiny_exact):
     res = sda_attack(tiny_exact, data, CI, seed=0, prior_ids=prior, prior_name="markov", cfg=cfg)
     assert res.ttrsr >= 0.9, res.metrics
     assert res.budget["observed_tokens"] == 6000 and "most frequent" in res.budget["candidate_pool"]
+
+
+def test_sda_setting_reads_the_whole_traffic(tiny_exact, monkeypatch):
+    """The knowledge-setting SDA deciphers the client's private traffic together with the prompts: with a small
+    victim (600 prompt tokens) but 6,000 tokens of observed traffic in the same strong-signal language it
+    recovers >= 90% of the prompts, and it scores the prompts, not the traffic."""
+    import aloepri.attacks.frequency as frequency
+    from aloepri.attacks.decipher import sda_setting_attack
+
+    prior = _markov_language(20_000, seed=1)
+    private = _markov_language(6_000, seed=2)
+    prompts = _markov_language(600, seed=3)
+    seqs = [prompts[i:i + 60].tolist() for i in range(0, len(prompts), 60)]
+    data = PrivateData(["-"] * len(seqs), seqs, [[j % 5 == 0 for j in range(len(s))] for s in seqs])
+    perm = tiny_exact.true_permutation()
+
+    def streams(target, data_, setting, budget, seed, tokens=None):
+        truth = np.concatenate([private, prompts])
+        return prior, perm[truth], truth, {"setting": setting, "prior_tokens": len(prior),
+                                           "private_corpus_tokens": len(private), "prompt_tokens": len(prompts),
+                                           "candidate_pool": "full vocabulary"}
+
+    monkeypatch.setattr(frequency, "frequency_streams", streams)
+    cfg = SDAConfig(steps=200, batch=16, seq_len=32, max_rank=64, pool=64, episodes=16, prior_tokens=20_000,
+                    lr=3e-3, width=64, depth=1)
+    res = sda_setting_attack(tiny_exact, data, "domain-aware", CI, seed=0, cfg=cfg)
+    assert res.attack == "sda-domain-aware" and res.budget["observed_tokens"] == 6600
+    assert res.metrics["tokens_scored"] == 600
+    assert res.ttrsr >= 0.9, res.metrics
+    assert res.metrics["private_stream_recovery"] >= 0.9
+    assert {"sda-zero-knowledge", "sda-domain-aware", "sda-distribution-aware"} <= set(REGISTRY)

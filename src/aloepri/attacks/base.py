@@ -134,6 +134,15 @@ def register(name: str) -> Callable[[AttackFn], AttackFn]:
 # --- scoring -------------------------------------------------------------------------------------------------
 
 
+def has_tokenizer(target: AttackTarget) -> bool:
+    """Whether the public tokenizer loads (tiny test checkpoints ship none: score token-level metrics only)."""
+    try:
+        _ = target.tokenizer
+        return True
+    except Exception:
+        return False
+
+
 def score_predictions(target: AttackTarget, data: PrivateData, predicted: Sequence[Sequence[int]],
                       text_metrics: bool = True) -> dict[str, Any]:
     """Per-position plaintext guesses against the truth: ttrsr, piirsr and (optionally) bleu4 / cossim of the

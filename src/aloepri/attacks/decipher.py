@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_predictions
+from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_predictions
 
 
 def frequency_ranks(sequences: Sequence[Sequence[int]]) -> dict[int, int]:
@@ -197,12 +197,7 @@ def sda_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: in
     train = build_training_set(prior_ids, n_obs, [len(s) for s in observed], cfg, vocab, pool_ids, seed)
     model, final_loss = train_decipherer(train, cfg, len(pool_ids) + 1, seed)
     predicted = decipher(model, observed, cfg, pool_ids)
-    try:
-        _ = target.tokenizer
-        text_metrics = True
-    except Exception:  # tiny test checkpoints ship no tokenizer
-        text_metrics = False
-    metrics = score_predictions(target, data, predicted, text_metrics=text_metrics)
+    metrics = score_predictions(target, data, predicted, text_metrics=has_tokenizer(target))
     in_pool = np.isin(np.concatenate([np.asarray(t) for t in data.plain_ids]), pool_ids)
     metrics["truth_in_pool"] = float(in_pool.mean())
     metrics["final_train_loss"] = final_loss
@@ -217,6 +212,64 @@ def sda_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: in
                 "candidate_pool": f"{len(pool_ids)} most frequent prior tokens + 'other' (full vocabulary {vocab})"},
         uses="the victim's observed obfuscated id sequences only (frequency ranks over all of them and in-window "
              "recurrence); attacker's public text enciphered with its own random permutations; public tokenizer")
+
+
+def sda_setting_attack(target: AttackTarget, data: PrivateData, setting: str, budget: Budget, seed: int = 0,
+                       cfg: SDAConfig | None = None, tokens: int | None = None) -> AttackResult:
+    """SDA in one of the paper's knowledge settings (as TFMA): the attacker trains on the setting's prior corpus
+    and observes the client's whole traffic, its private corpus (the budget's stream size) followed by the PII
+    prompts, cut into prompt-sized sequences; the prompts are scored. Much more ciphertext than the prompts
+    alone, so frequency ranks carry signal."""
+    from .frequency import frequency_streams
+
+    prior, observed_stream, truth, info = frequency_streams(target, data, setting, budget, seed, tokens)
+    n_prompt = info["prompt_tokens"]
+    lengths = [len(s) for s in data.plain_ids]
+    rng = np.random.default_rng(seed)
+    traffic, pos, cut = [], 0, len(observed_stream) - n_prompt
+    while pos < cut:  # the private corpus as prompts with the victim's length profile
+        n = int(rng.choice(lengths))
+        traffic.append(observed_stream[pos:min(pos + n, cut)])
+        pos += n
+    prompts_obf = data.observed(target)
+    cfg = cfg or SDAConfig.for_budget(budget)
+    prior = np.asarray(prior, dtype=np.int64)[: cfg.prior_tokens]
+    ids, counts = np.unique(prior, return_counts=True)
+    pool_ids = ids[np.argsort(-counts, kind="stable")][: cfg.pool]
+    vocab = int(target.key.vocab_size) if target.key is not None else target.vocab_size
+    n_obs = int(len(observed_stream))
+    train = build_training_set(prior, n_obs, lengths, cfg, vocab, pool_ids, seed)
+    model, final_loss = train_decipherer(train, cfg, len(pool_ids) + 1, seed)
+    # ranks are over everything observed: decipher the traffic and the prompts together
+    predicted = decipher(model, traffic + prompts_obf, cfg, pool_ids)
+    metrics = score_predictions(target, data, predicted[len(traffic):], text_metrics=has_tokenizer(target))
+    private_guess = np.concatenate([np.asarray(p) for p in predicted[:len(traffic)]]) if traffic else np.array([])
+    metrics["private_stream_recovery"] = float((private_guess == truth[:cut]).mean()) if cut else None
+    metrics["truth_in_pool"] = float(np.isin(truth[cut:], pool_ids).mean())
+    metrics["final_train_loss"] = final_loss
+    n_params = sum(p.numel() for p in model.parameters())
+    return AttackResult(
+        f"sda-{setting}", metrics["ttrsr"], metrics["piirsr"], metrics,
+        budget={**info, "budget": budget.name, "steps": cfg.steps, "batch": cfg.batch, "seq_len": cfg.seq_len,
+                "episodes": cfg.episodes, "episode_tokens": int(min(n_obs, len(prior))),
+                "observed_tokens": n_obs, "max_rank": cfg.max_rank, "seed": seed,
+                "model": f"{cfg.depth}-layer encoder, width {cfg.width}, {n_params} parameters",
+                "candidate_pool": f"{len(pool_ids)} most frequent prior tokens + 'other' (full vocabulary {vocab})"},
+        uses=f"obfuscated token ids of the client's traffic (its private corpus and the prompts: ranks and "
+             f"recurrence only); a public prior corpus ({setting}) enciphered with the attacker's own permutations; "
+             "public tokenizer; no weights")
+
+
+def _register_sda_setting(setting: str) -> None:
+    def attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+        return sda_setting_attack(target, data, setting, budget, seed)
+
+    attack.__doc__ = f"SDA with the {setting} prior, deciphering the client's whole observed traffic."
+    register(f"sda-{setting}")(attack)
+
+
+for _setting in ("zero-knowledge", "domain-aware", "distribution-aware"):
+    _register_sda_setting(_setting)
 
 
 @register("sda")

@@ -13,9 +13,12 @@ directly; we match what the key leaves (nearly) unchanged:
   assignment (Hungarian matching of observed to candidate heads, re-solved during the optimisation); RoPE block
   permutation (beta > 1) changes the scores themselves.
 
-Both relax the input as free embedding vectors (Adam), take each position's k nearest plaintext tokens as
-candidates, and search them left to right with a beam on the loss of the prefix (causal model: the observed
-prefix states are the prefix's own), then refine by coordinate descent, scoring every candidate exactly.
+Both propose k candidate tokens per position, search them left to right with a beam on the loss of the prefix
+(causal model: the observed prefix states are the prefix's own), then refine by coordinate descent, scoring every
+candidate exactly. Candidates come from relaxing the input as free embedding vectors (Adam) and taking each
+position's k nearest plaintext tokens, or, when states are matched directly (no key matrix), from a codebook of
+every token's own state at that layer: the relaxation alone found the true token too rarely on a real 49k
+vocabulary (SmolLM2: 54% of tokens on the unprotected model), the codebook finds it at once.
 
 IMA (after Kugler et al. 2021, the paper's setting): a small transformer (2 layers, d=128) reads obfuscated
 states at a layer (default 0: the embedding output, as the paper) and predicts the plaintext token embedding;
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_predictions
+from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_predictions
 
 # --- forward passes truncated at a layer ----------------------------------------------------------------------
 
@@ -192,6 +195,9 @@ class ISAConfig:
     # straight-through projection; "softmax": a distribution over the vocabulary per position (worse on SmolLM2)
     max_prompts: int = 20
     max_len: int = 48  # positions per prompt inverted (prompts are cut here; the rest is left unscored)
+    proposal: str = "auto"  # where each position's candidates come from. "relaxed": the relaxation above;
+    # "codebook": the observed state's nearest entries in a table of every token's own state at the layer (needs
+    # direct matching); "auto": codebook for direct matching, relaxed otherwise
 
     @classmethod
     def for_budget(cls, budget: Budget, **kw: Any) -> "ISAConfig":
@@ -205,14 +211,18 @@ def _relax_and_refine(plain_model, n: int, batch_loss: Callable[[torch.Tensor], 
                       on_step: Callable[[torch.Tensor, int], None] | None = None,
                       prefix_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
                       refine_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      candidates: torch.Tensor | None = None,
                       ) -> tuple[list[int], dict[str, float]]:
     """Minimise ``batch_loss(inputs_embeds (batch, n, d)) -> (batch,)`` over plaintext token sequences of length n:
     a continuous relaxation over the full vocabulary (Adam), then each position's top-k candidates (nearest tokens
     to the relaxed vectors) are searched left to right with a beam on ``prefix_loss`` and refined by coordinate
     descent on ``refine_loss`` (default ``batch_loss``). The relaxation only proposes candidates: when the true
-    token is not among a position's top-k, the discrete search cannot find it."""
+    token is not among a position's top-k, the discrete search cannot find it. Given ``candidates`` (n, k) the
+    relaxation is skipped and the search runs on them."""
     emb = _inner(plain_model).embed_tokens.weight.detach()
     vocab = emb.shape[0]
+    if candidates is not None:
+        return _search(emb, candidates, batch_loss, cfg, prefix_loss, refine_loss, relaxed_loss=float("nan"))
     if cfg.relax == "softmax":
         param = (0.01 * torch.randn(n, vocab, generator=gen)).requires_grad_(True)
         embed = lambda: torch.softmax(param, dim=-1) @ emb  # noqa: E731
@@ -229,11 +239,20 @@ def _relax_and_refine(plain_model, n: int, batch_loss: Callable[[torch.Tensor], 
         opt.zero_grad()
         loss.backward()
         opt.step()
-    relaxed_loss = float(loss.detach())
-    batch_loss = refine_loss or batch_loss
     with torch.no_grad():  # candidates: top relaxed probabilities, or the nearest tokens to the free vectors
         scores = param if cfg.relax == "softmax" else F.normalize(param, dim=-1) @ unit.T
         cands = scores.topk(min(cfg.refine_k, vocab), dim=-1).indices  # (n, k)
+    return _search(emb, cands, batch_loss, cfg, prefix_loss, refine_loss, relaxed_loss=float(loss.detach()))
+
+
+def _search(emb: torch.Tensor, cands: torch.Tensor, batch_loss: Callable[[torch.Tensor], torch.Tensor],
+            cfg: ISAConfig, prefix_loss: Callable[[torch.Tensor], torch.Tensor] | None,
+            refine_loss: Callable[[torch.Tensor], torch.Tensor] | None, relaxed_loss: float
+            ) -> tuple[list[int], dict[str, float]]:
+    """Discrete part of the inversion: beam over each position's candidates on the prefix loss, then coordinate
+    descent sweeps, every candidate scored exactly."""
+    n = cands.shape[0]
+    batch_loss = refine_loss or batch_loss
     seq = cands[:, 0].clone()
     with torch.no_grad():
         if prefix_loss is not None and n >= 2:
@@ -255,6 +274,38 @@ def _straight_through(param: torch.Tensor, emb: torch.Tensor, unit: torch.Tensor
     with torch.no_grad():
         near = emb[(F.normalize(param, dim=-1) @ unit.T).argmax(-1)]
     return param + (near - param).detach()
+
+
+def state_codebook(model, layer: int, anchor_id: int, batch: int = 1024) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every vocabulary token's own state after ``layer`` decoder layers, at position 0 (alone) and at position 1
+    (after the public token ``anchor_id``): two (unit rows of the centred table (vocab, d), the mean (d,)). An
+    early-layer state is dominated by its own token, so an observed state's nearest entries are a short
+    candidate list (measured on SmolLM2-135M, 4 Faker prompts x 32 tokens, unprotected: the true token is among
+    the 16 nearest for 100% of positions at layer 1, 91% at layer 2)."""
+    vocab = _inner(model).embed_tokens.weight.shape[0]
+    alone, after = [], []
+    with torch.no_grad():
+        for i in range(0, vocab, batch):
+            ids = torch.arange(i, min(i + batch, vocab))
+            alone.append(layer_states(model, layer, input_ids=ids.unsqueeze(1))[:, 0].float())
+            pair = torch.stack([torch.full_like(ids, anchor_id), ids], 1)
+            after.append(layer_states(model, layer, input_ids=pair)[:, 1].float())
+    out = []
+    for table in (torch.cat(alone), torch.cat(after)):
+        mu = table.mean(0)
+        out.append((F.normalize(table - mu, dim=-1), mu))
+    return out
+
+
+def codebook_candidates(h_obs: torch.Tensor, codebook: list[tuple[torch.Tensor, torch.Tensor]], k: int
+                        ) -> torch.Tensor:
+    """(n, k): each observed state's (n, d) k nearest codebook tokens by cosine after the codebook's centring."""
+    out = []
+    for t, h in enumerate(h_obs):
+        unit, mu = codebook[0 if t == 0 else 1]
+        sim = unit @ F.normalize(h.float() - mu, dim=-1)
+        out.append(sim.topk(min(k, unit.shape[0])).indices)
+    return torch.stack(out)
 
 
 def _chunked(loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -287,12 +338,7 @@ def _score(target: AttackTarget, data: PrivateData, predicted: list[list[int]], 
     """Score the attacked prompts only (cut at ``max_len``); text metrics when the public tokenizer loads."""
     sub = PrivateData([data.texts[i] for i in idx], [data.plain_ids[i][:max_len] for i in idx],
                       [data.pii_mask[i][:max_len] for i in idx])
-    try:
-        _ = target.tokenizer
-        text_metrics = True
-    except Exception:  # tiny test checkpoints ship no tokenizer: token-level scores only
-        text_metrics = False
-    out = score_predictions(target, sub, predicted, text_metrics=text_metrics)
+    out = score_predictions(target, sub, predicted, text_metrics=has_tokenizer(target))
     out["prompts_scored"] = len(idx)
     return out
 
@@ -304,7 +350,8 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
     observed = data.observed(target)
     idx = _prompts(data, observed, cfg)
     plain = target.plain_model
-    predicted, losses, matches = [], [], []
+    predicted, losses, matches, proposals = [], [], [], []
+    codebook = None
     for i in idx:
         obs_ids = torch.tensor([observed[i][: cfg.max_len]])
         with torch.no_grad():
@@ -314,6 +361,17 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
         match = cfg.match if cfg.match != "auto" else (
             "direct" if h_obs.shape[-1] == plain.config.hidden_size else "invariant")
         matches.append(match)
+        proposal = cfg.proposal if cfg.proposal != "auto" else ("codebook" if match == "direct" else "relaxed")
+        if proposal == "codebook" and match != "direct":
+            raise ValueError("the codebook proposal compares states directly: it needs match='direct'")
+        proposals.append(proposal)
+        cands = None
+        if proposal == "codebook":
+            if codebook is None:  # one table per attack: the public model's own states, no victim data
+                anchor = next((t for t in (plain.config.bos_token_id, plain.config.eos_token_id, 0)
+                               if isinstance(t, int)), 0)
+                codebook = state_codebook(plain, cfg.layer, anchor)
+            cands = codebook_candidates(h_obs, codebook, cfg.refine_k)
 
         def batch_loss(x: torch.Tensor, tgt=tgt, h_obs=h_obs, scale=scale) -> torch.Tensor:
             h = layer_states(plain, cfg.layer, inputs_embeds=x).float()
@@ -333,7 +391,7 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
                                hidden_invariants(h_obs[:t], cfg.center), cfg.center)
 
         seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen,
-                                      prefix_loss=prefix_loss if cfg.greedy else None)
+                                      prefix_loss=prefix_loss if cfg.greedy else None, candidates=cands)
         predicted.append(seq)
         losses.append(info["final_loss"])
     metrics = _score(target, data, predicted, idx, cfg.max_len)
@@ -342,13 +400,14 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
         "isa_hidden", metrics["ttrsr"], metrics["piirsr"], metrics,
         budget={"budget": budget.name, "layer": cfg.layer, "steps": cfg.steps, "lr": cfg.lr,
                 "refine_k": cfg.refine_k, "refine_sweeps": cfg.refine_sweeps, "prompts": len(idx),
-                "match": sorted(set(matches)), "relax": cfg.relax, "greedy": cfg.greedy, "beam": cfg.beam,
+                "match": sorted(set(matches)), "proposal": sorted(set(proposals)), "relax": cfg.relax, "greedy": cfg.greedy, "beam": cfg.beam,
                 "center": cfg.center, "max_len": cfg.max_len,
                 "candidate_pool": f"full vocabulary ({plain.config.vocab_size})"},
         uses=f"obfuscated residual stream after decoder layer {cfg.layer} for each victim prompt (matched "
              f"{'/'.join(sorted(set(matches)))}: directly when it has the plaintext width, else its cosine matrix "
              "across positions and centred log-norms, invariant to an orthogonal key matrix); the public plaintext "
-             "model for gradient-based inversion; no key, no obfuscated weights")
+             "model for candidate proposal (a codebook of every token's own state when matching directly, else "
+             "gradient-based relaxation) and exact scoring; no key, no obfuscated weights")
 
 
 def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
