@@ -31,7 +31,7 @@ SWEEPS = {  # series -> overrides of the `default` preset, one dict per point; t
     "shared_c": [{"shared_c": v} for v in (True, False)],
     # embedding and head noise together: VMA matches through down x head as well as through the embedding, so the
     # permutation is only as hidden as the *smaller* of the two noises
-    "alpha_e=alpha_h": [{"alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3, 0.5)],
+    "alpha_e=alpha_h": [{"alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)],
     # beyond the paper: the same noise energy shaped per column or per row (docs/accuracy.md)
     "noise_shape=column": [{"noise_shape": "column", "alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3)],
     "noise_shape=row": [{"noise_shape": "row", "alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3)],
@@ -98,6 +98,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--private-prompts", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--values", nargs="*", type=float, default=None,
+                    help="only the points whose swept value is one of these, in this order (e.g. 0.5 1.0 0.3)")
     ap.add_argument("--plot-only", action="store_true")
     a = ap.parse_args()
     store_path = RESULTS / f"frontier_{a.model}.json"
@@ -107,7 +109,11 @@ def main() -> None:
         store = ResultStore(store_path)
         base = resolve_params("default")
         for name in a.sweeps:
-            sweep(ev, [base.replace(**o) for o in SWEEPS[name]], store, seed=1, label=name)
+            points = SWEEPS[name]
+            if a.values is not None:
+                x = SERIES_X.get(name, name)
+                points = [o for v in a.values for o in points if o.get(x) == v]
+            sweep(ev, [base.replace(**o) for o in points], store, seed=1, label=name)
     plot(store_path, RESULTS / f"frontier_{a.model}.png")
     if a.list:
         print(table(store_path))

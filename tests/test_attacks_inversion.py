@@ -174,7 +174,7 @@ def test_sda_setting_reads_the_whole_traffic(tiny_exact, monkeypatch):
     data = PrivateData(["-"] * len(seqs), seqs, [[j % 5 == 0 for j in range(len(s))] for s in seqs])
     perm = tiny_exact.true_permutation()
 
-    def streams(target, data_, setting, budget, seed, tokens=None):
+    def streams(target, data_, setting, budget, seed, tokens=None, perturb=None):
         truth = np.concatenate([private, prompts])
         return prior, perm[truth], truth, {"setting": setting, "prior_tokens": len(prior),
                                            "private_corpus_tokens": len(private), "prompt_tokens": len(prompts),

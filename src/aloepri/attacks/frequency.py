@@ -17,12 +17,13 @@ registered attacks wire them to an ``AttackTarget``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
+from .base import (AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_mapping,
+                   score_predictions)
 
 # --- TFMA -----------------------------------------------------------------------------------------------------
 
@@ -236,9 +237,12 @@ FULL_STREAM_TOKENS = 1_000_000  # tokens per side (prior / observed private corp
 
 
 def frequency_streams(target: AttackTarget, data: PrivateData, setting: str, budget: Budget, seed: int,
-                      tokens: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+                      tokens: int | None = None, perturb: Callable[[np.ndarray], np.ndarray] | None = None,
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
     """(prior plain ids, observed obfuscated ids, their plaintext truth, budget info) for a knowledge setting.
-    The observed stream is the client's private corpus followed by the PII prompts (the server sees both)."""
+    The observed stream is the client's private corpus followed by the PII prompts (the server sees both).
+    ``perturb`` is the client's online token perturbation (aloepri.eval.perturb), applied to its plaintext ids
+    before the key; the truth stays the client's real tokens."""
     from .data import frequency_setting, tokenize_texts
 
     n = tokens if tokens is not None else _budgeted_tokens(budget, FULL_STREAM_TOKENS)
@@ -249,20 +253,35 @@ def frequency_streams(target: AttackTarget, data: PrivateData, setting: str, bud
     prompts = np.asarray([t for ids in data.plain_ids for t in ids], dtype=np.int64)
     truth = np.concatenate([private, prompts])
     perm = target.true_permutation()  # the victim's encoding of its own traffic, not attacker knowledge
-    observed = perm[truth]
+    sent = truth if perturb is None else np.asarray(perturb(truth), dtype=np.int64)
+    observed = perm[sent]
     info = {"setting": setting, "prior_tokens": int(len(prior)), "private_corpus_tokens": int(len(private)),
             "prompt_tokens": int(len(prompts)), "candidate_pool": "full vocabulary"}
+    if perturb is not None:
+        info["perturbed_token_fraction"] = float((sent != truth).mean())
     return prior, observed, truth, info
 
 
+def observed_prompts(observed: np.ndarray, data: PrivateData) -> list[np.ndarray]:
+    """The prompts' part of an observed stream (its tail, see ``frequency_streams``), one array per prompt."""
+    lengths = [len(s) for s in data.plain_ids]
+    tail = observed[len(observed) - sum(lengths):]
+    return np.split(tail, np.cumsum(lengths)[:-1])
+
+
 def run_tfma(target: AttackTarget, data: PrivateData, setting: str, budget: Budget, seed: int = 0,
-             tokens: int | None = None) -> AttackResult:
-    prior, observed, truth, info = frequency_streams(target, data, setting, budget, seed, tokens)
+             tokens: int | None = None, perturb: Callable[[np.ndarray], np.ndarray] | None = None) -> AttackResult:
+    prior, observed, truth, info = frequency_streams(target, data, setting, budget, seed, tokens, perturb)
     v = target.vocab_size
     match = tfma_match(observed, prior, v, seed)
-    metrics = score_mapping(target, data, match.obf_to_plain)
+    if perturb is None:
+        metrics = score_mapping(target, data, match.obf_to_plain)
+    else:  # the server saw perturbed prompts: score the guesses for what it saw against the real tokens
+        metrics = score_predictions(target, data, [match.obf_to_plain[s] for s in observed_prompts(observed, data)],
+                                    text_metrics=has_tokenizer(target))
     metrics.update(tfma_stream_recovery(match, observed, truth))
-    obs_prompt = np.asarray([t for ids in data.observed(target) for t in ids])
+    metrics["stream_top1_tokenwise"] = float((match.obf_to_plain[observed] == truth).mean())
+    obs_prompt = np.concatenate(observed_prompts(observed, data))
     true_prompt = np.asarray([t for ids in data.plain_ids for t in ids])
     for k in (10, 100):
         metrics[f"prompt_top{k}"] = float((match.candidates(obs_prompt, k) == true_prompt[:, None]).any(axis=1).mean())

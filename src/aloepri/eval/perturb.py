@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 SENSITIVITY = 2.0  # cosine similarity lies in [-1, 1]
@@ -54,6 +55,22 @@ def perturb_ids(ids: Sequence[int], unit_emb: torch.Tensor, eps_tok: float, seed
         p = token_distribution(unit_emb, int(ids[i]), eps_tok, candidates)
         j = int(torch.multinomial(p, 1, generator=g))
         out[i] = int(candidates[j]) if candidates is not None else j
+    return out
+
+
+def perturb_stream(ids: np.ndarray, unit_emb: torch.Tensor, eps_tok: float, seed: int,
+                   candidates: torch.Tensor | None = None) -> np.ndarray:
+    """``perturb_ids`` on every token of a long stream (the same mechanism, independent draws), computing each
+    distinct token's distribution once."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = ids.copy()
+    g = torch.Generator().manual_seed(int(seed))
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    for u, tok in enumerate(uniq):
+        where = np.flatnonzero(inverse == u)
+        p = token_distribution(unit_emb, int(tok), eps_tok, candidates)
+        draw = torch.multinomial(p, len(where), replacement=True, generator=g).numpy()
+        out[where] = candidates.numpy()[draw] if candidates is not None else draw
     return out
 
 
@@ -108,6 +125,12 @@ class TokenPerturbation:
         # A fresh stream per call (seed, call_index): repeated prompts must not reuse the same draws.
         return perturb_ids(ids, self.unit_embeddings, self.eps_tok, (self.seed * 1_000_003 + call_index) % (1 << 63),
                            positions, self.candidates)
+
+
+    def apply_stream(self, ids: np.ndarray, call_index: int = 0) -> np.ndarray:
+        """Every token of a stream perturbed (the client's whole traffic, e.g. for the frequency attacks)."""
+        return perturb_stream(ids, self.unit_embeddings, self.eps_tok, (self.seed * 1_000_003 + call_index) % (1 << 63),
+                              self.candidates)
 
 
 def perturbed_chat(private_model, messages, perturbation: TokenPerturbation, max_new_tokens: int = 64,
