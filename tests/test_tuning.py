@@ -59,3 +59,46 @@ def test_tune_needs_an_accuracy_budget(capsys):
 
     assert main(["tune", "x.gguf", "--out", "p.json"]) == 2
     assert "accuracy budget" in capsys.readouterr().err
+
+
+def test_parse_candidates_fixed_equal_and_errors():
+    from aloepri.tuning import default_candidates, parse_candidates
+
+    base = aloepri.resolve_params("default")
+    assert [(p.alpha_e, p.alpha_h) for p in parse_candidates(base, "0.1,0.3", "equal")] == [(0.1, 0.1), (0.3, 0.3)]
+    assert [(p.alpha_e, p.alpha_h) for p in parse_candidates(base, "0.2", "0.05")] == [(0.2, 0.05)]
+    assert parse_candidates(base, "0.2", None)[0].alpha_h == base.alpha_h
+    for bad in [("x", None), ("", None), ("0.1", "lots")]:
+        with pytest.raises(ValueError):
+            parse_candidates(base, *bad)
+    # the default ladder includes equal-noise points: with alpha_h small the head side leaks (docs/accuracy.md)
+    assert any(p.alpha_e == p.alpha_h >= 0.5 for p in default_candidates(base))
+
+
+def test_tune_end_to_end_on_smollm2(tmp_path, capsys):
+    """Smoke run of the real tuner: two settings of SmolLM2, fidelity and two attacks on each obfuscated output.
+
+    No noise (alpha 0) is Gate-IA's positive control (it recovers every prompt token); equal noise 0.5 costs
+    accuracy (top-1 ~0.2-0.5) but lowers Gate-IA (~0.75 on 30 prompts). With a loose accuracy budget the tuner
+    must pick the noisier setting, with a tight one the noise-free one."""
+    from conftest import smollm2_or_skip
+
+    from aloepri.cli import main
+
+    src = smollm2_or_skip()
+    args = ["tune", str(src), "--alpha-e", "0.0,0.5", "--alpha-h", "equal", "--attacks", "gate-ia,nn",
+            "--budget", "ci", "--prompts", "4", "--private-prompts", "4", "--results", str(tmp_path / "r.json")]
+    assert main(args + ["--min-top1", "0.05", "--out", str(tmp_path / "loose.json")]) == 0
+    loose = json.loads((tmp_path / "loose.json").read_text())
+    rows = {r["params"].split()[0]: r for r in loose["candidates"]}
+    clean, noisy = rows["alpha_e=0.0"], rows["alpha_e=0.5"]
+    assert clean["max_ttrsr"] >= 0.9  # the attack works on the weak setting...
+    assert noisy["max_ttrsr"] < clean["max_ttrsr"]  # ...and the noise measurably lowers it
+    assert clean["top1"] > noisy["top1"] >= 0.05
+    assert loose["params"]["alpha_e"] == 0.5 and loose["measured"]["max_ttrsr"] == noisy["max_ttrsr"]
+    # a tight budget excludes the noisy setting; the results file is reused (nothing recomputed)
+    assert main(args + ["--min-top1", str(round((clean["top1"] + noisy["top1"]) / 2, 3)),
+                        "--out", str(tmp_path / "tight.json")]) == 0
+    assert json.loads((tmp_path / "tight.json").read_text())["params"]["alpha_e"] == 0.0
+    assert "[tune]" not in capsys.readouterr().out.split("wrote", 1)[1]  # second run evaluated nothing
+    assert aloepri.resolve_params(preset_file=tmp_path / "loose.json").alpha_h == 0.5

@@ -210,11 +210,35 @@ def params_summary(p: ObfuscationParams) -> str:
 
 
 def default_candidates(base: ObfuscationParams) -> list[ObfuscationParams]:
-    """Noise levels from light to heavy (the noise is what protects the vocabulary permutation)."""
-    out = []
-    for ae, ah in ((0.05, 0.02), (0.1, 0.05), (0.2, 0.05), (0.3, 0.1), (0.5, 0.1), (0.7, 0.15), (1.0, 0.2)):
-        out.append(base.replace(alpha_e=ae, alpha_h=ah))
-    return out
+    """Noise levels from light to heavy (the noise is what protects the vocabulary permutation).
+
+    Two families: embedding-heavy (alpha_h small, the paper's ratio) and equal noise on both sides. The frontier
+    (docs/accuracy.md) showed that with alpha_h small the head side leaks (VMA through down x head products at
+    any alpha_e), so the equal-noise points are the ones that can lower the strongest attack.
+    """
+    pairs = ((0.05, 0.02), (0.1, 0.05), (0.2, 0.05), (0.5, 0.1), (1.0, 0.2),
+             (0.1, 0.1), (0.2, 0.2), (0.3, 0.3), (0.5, 0.5), (0.7, 0.7), (1.0, 1.0))
+    return [base.replace(alpha_e=ae, alpha_h=ah) for ae, ah in pairs]
+
+
+def parse_candidates(base: ObfuscationParams, alpha_e: str, alpha_h: str | None) -> list[ObfuscationParams]:
+    """``--alpha-e 0.1,0.3`` with ``--alpha-h 0.05`` (fixed), ``--alpha-h equal`` (alpha_h = alpha_e) or none
+    (the base preset's alpha_h)."""
+    try:
+        values = [float(x) for x in alpha_e.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--alpha-e must be comma-separated numbers, got {alpha_e!r}") from None
+    if not values:
+        raise ValueError("--alpha-e is empty")
+    if alpha_h is None:
+        return [base.replace(alpha_e=v, alpha_h=base.alpha_h) for v in values]
+    if alpha_h.strip().lower() == "equal":
+        return [base.replace(alpha_e=v, alpha_h=v) for v in values]
+    try:
+        ah = float(alpha_h)
+    except ValueError:
+        raise ValueError(f"--alpha-h must be a number or 'equal', got {alpha_h!r}") from None
+    return [base.replace(alpha_e=v, alpha_h=ah) for v in values]
 
 
 def choose(results: Sequence[dict[str, Any]], criterion: Criterion) -> dict[str, Any] | None:
@@ -255,8 +279,11 @@ def add_tune_commands(sub) -> None:
     p.add_argument("--out", required=True, help="preset file to write (use with `obfuscate --preset-file`)")
     p.add_argument("--attacks", default=",".join(DEFAULT_ATTACKS), help="comma-separated attack names")
     p.add_argument("--budget", choices=["ci", "small", "full"], default="small")
-    p.add_argument("--alpha-e", default=None, help="comma-separated alpha_e candidates (default: a 7-step ladder)")
-    p.add_argument("--alpha-h", type=float, default=None, help="alpha_h for the --alpha-e candidates")
+    p.add_argument("--alpha-e", default=None,
+                   help="comma-separated alpha_e candidates (default: 11 settings, embedding-heavy and equal noise)")
+    p.add_argument("--alpha-h", default=None,
+                   help="alpha_h for the --alpha-e candidates: a number, or 'equal' for alpha_h = alpha_e "
+                        "(default: the base preset's)")
     p.add_argument("--base-preset", default="default", help="preset the candidates vary")
     p.add_argument("--prompts", type=int, default=20, help="fidelity prompts (built-in chat prompts)")
     p.add_argument("--private-prompts", type=int, default=30, help="PII prompts the attacks try to recover")
@@ -272,8 +299,9 @@ def _cmd_tune(a) -> int:
         raise ValueError("give an accuracy budget: --max-kl and/or --min-top1")
     base = resolve_params(a.base_preset)
     if a.alpha_e:
-        ah = a.alpha_h if a.alpha_h is not None else base.alpha_h
-        candidates = [base.replace(alpha_e=float(x), alpha_h=ah) for x in a.alpha_e.split(",")]
+        candidates = parse_candidates(base, a.alpha_e, a.alpha_h)
+    elif a.alpha_h is not None:
+        raise ValueError("--alpha-h goes with --alpha-e (the default candidates set both)")
     else:
         candidates = default_candidates(base)
     ev = Evaluator(Path(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
