@@ -101,7 +101,25 @@ def test_isa_attention_positive_control(tiny_exact):
     cfg = ISAConfig(layer=2, steps=30, refine_k=96, refine_sweeps=1, max_prompts=2, max_len=10)
     res = isa_attention_attack(tiny_exact, data, CI, seed=0, cfg=cfg)
     assert res.ttrsr >= 0.9, res.metrics
-    assert res.budget["attention_layers"] == 2
+    assert res.budget["attention_layers"] == 2 and res.budget["proposal"] == ["exhaustive"]
+
+
+def test_exhaustive_attention_proposal_decodes_through_a_head_permutation(tiny_exact):
+    """The exhaustive first-layer proposal alone (no refinement): every token scored exactly on the observed
+    first-layer attention of the exact preset (heads permuted by the key, beta = 1) decodes the prompt, the first two
+    tokens from an exact search over all vocab^2 pairs. A different prompt's attention decodes to that prompt, not
+    this one (the proposal reads the observation)."""
+    from aloepri.attacks.inversion import FirstLayerQK, exhaustive_attention_candidates
+
+    qk = FirstLayerQK.of(tiny_exact.plain_model, 12)
+    for seed in (5, 6):
+        ids = _random_prompts(1, 12, 96, seed=seed).plain_ids[0]
+        with torch.no_grad():
+            _, attn = layer_states(tiny_exact.obf_model, 1, input_ids=torch.tensor([tiny_exact.obfuscate_ids(ids)]),
+                                   attentions=True)
+        cands = exhaustive_attention_candidates(qk, attn[0][0], k=4)
+        assert cands.shape == (12, 4)
+        assert (cands[:, 0] == torch.tensor(ids)).float().mean() >= 0.9, (cands[:, 0].tolist(), ids)
 
 
 def test_ima_positive_controls_and_own_keys(tiny_exact):

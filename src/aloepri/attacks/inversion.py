@@ -18,7 +18,10 @@ Both propose k candidate tokens per position, search them left to right with a b
 candidate exactly. Candidates come from relaxing the input as free embedding vectors (Adam) and taking each
 position's k nearest plaintext tokens, or, when states are matched directly (no key matrix), from a codebook of
 every token's own state at that layer: the relaxation alone found the true token too rarely on a real 49k
-vocabulary (SmolLM2: 54% of tokens on the unprotected model), the codebook finds it at once.
+vocabulary (SmolLM2: 54% of tokens on the unprotected model), the codebook finds it at once. ``isa_attention``
+proposes them exhaustively: the first layer's attention depends on the tokens alone, so every vocabulary token
+can be scored exactly at every position from two tables of queries and keys (the first two positions jointly,
+over all vocab^2 pairs); the relaxation found 0% on the unprotected SmolLM2, the exhaustive proposal 100%.
 
 IMA (after Kugler et al. 2021, the paper's setting): a small transformer (2 layers, d=128) reads obfuscated
 states at a layer (default 0: the embedding output, as the paper) and predicts the plaintext token embedding;
@@ -197,7 +200,8 @@ class ISAConfig:
     max_len: int = 48  # positions per prompt inverted (prompts are cut here; the rest is left unscored)
     proposal: str = "auto"  # where each position's candidates come from. "relaxed": the relaxation above;
     # "codebook": the observed state's nearest entries in a table of every token's own state at the layer (needs
-    # direct matching); "auto": codebook for direct matching, relaxed otherwise
+    # direct matching); "exhaustive" (isa_attention): every token scored exactly on the first layer's attention;
+    # "auto": codebook (isa_hidden, direct matching) or relaxed (isa_hidden otherwise), exhaustive (isa_attention)
 
     @classmethod
     def for_budget(cls, budget: Budget, **kw: Any) -> "ISAConfig":
@@ -306,6 +310,181 @@ def codebook_candidates(h_obs: torch.Tensor, codebook: list[tuple[torch.Tensor, 
         sim = unit @ F.normalize(h.float() - mu, dim=-1)
         out.append(sim.topk(min(k, unit.shape[0])).indices)
     return torch.stack(out)
+
+
+# --- exhaustive first-layer attention proposal ----------------------------------------------------------------
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@dataclass
+class FirstLayerQK:
+    """Every vocabulary token's first-layer query and key (before RoPE) and the RoPE tables of n positions.
+
+    The first decoder layer's attention depends only on the tokens (its input is the embedding), so the score of
+    any candidate token at any position is a dot product of two rows of these tables: every one of the vocabulary's
+    tokens can be scored exactly at every position without a forward pass."""
+
+    q: torch.Tensor  # (vocab, heads, head_dim)
+    k: torch.Tensor  # (vocab, kv_heads, head_dim)
+    cos: torch.Tensor  # (n, head_dim)
+    sin: torch.Tensor
+    scaling: float
+
+    @classmethod
+    def of(cls, model, n: int, batch: int = 4096) -> "FirstLayerQK":
+        inner = _inner(model)
+        layer = inner.layers[0]
+        attn = layer.self_attn
+        if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "scaling")):
+            raise TypeError(f"{type(attn).__name__}: the exhaustive attention proposal needs q_proj/k_proj "
+                            "attention (use proposal='relaxed')")
+        cfg = model.config
+        heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        emb = inner.embed_tokens.weight.detach()
+        qs, ks = [], []
+        with torch.no_grad():
+            for i in range(0, emb.shape[0], batch):
+                x = layer.input_layernorm(emb[i:i + batch].unsqueeze(0))[0]
+                q = attn.q_proj(x).view(x.shape[0], heads, -1)
+                k = attn.k_proj(x).view(x.shape[0], kv_heads, -1)
+                if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                qs.append(q.float())
+                ks.append(k.float())
+            cos, sin = inner.rotary_emb(emb[:1].unsqueeze(0).float(), torch.arange(n).unsqueeze(0))
+        return cls(torch.cat(qs), torch.cat(ks), cos[0].float(), sin[0].float(), float(attn.scaling))
+
+    def rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        return x * self.cos[pos] + _rotate_half(x) * self.sin[pos]
+
+    def group(self) -> torch.Tensor:
+        heads, kv_heads = self.q.shape[1], self.k.shape[1]
+        return torch.arange(heads) // (heads // kv_heads)
+
+
+def _row_cost(logits: torch.Tensor, log_obs_row: torch.Tensor) -> torch.Tensor:
+    """logits (C, heads, m) of C candidates for one attention row; log_obs_row (heads, m) observed. Mismatch of
+    the floored log-probabilities, each observed head matched to its closest candidate head (a relaxation of the
+    head assignment that is exact, zero, for the true tokens whatever the head permutation)."""
+    lc = torch.log(torch.softmax(logits, dim=-1).clamp_min(1e-6))
+    cost = ((lc[:, None, :, :] - log_obs_row[None, :, None, :]) ** 2).mean(-1)  # (C, obs heads, cand heads)
+    return cost.min(dim=-1).values.mean(-1)
+
+
+def first_pair_candidates(qk: FirstLayerQK, obs_row1: torch.Tensor, top: int, chunk: int = 128
+                          ) -> list[tuple[int, int]]:
+    """The ``top`` (token 0, token 1) pairs whose row-1 attention best matches the observed one, over all vocab^2
+    pairs (SmolLM2: 2.4e9 pairs, about 1.4e12 multiply-adds, chunked; exact).
+
+    Row 1 of head h is softmax(x_h, 0) with x_h = score(q_1, k_0) - score(q_1, k_1), so it is the vector of the
+    heads' log-odds, compared as a multiset (sorted) because a head permutation may have relabelled the heads: the
+    true pair matches exactly whatever the permutation. A cheap screen (max, min and mean over heads) keeps
+    16 x ``top`` pairs for the sorted comparison. Log-odds are clipped where the observed probabilities are floored.
+    obs_row1: (heads, 2) observed probabilities."""
+    vocab = qk.q.shape[0]
+    g = qk.group()
+    clip = -float(np.log(1e-6))
+    y = (torch.log(obs_row1[:, 0].clamp_min(1e-6)) - torch.log(obs_row1[:, 1].clamp_min(1e-6))).clamp(-clip, clip)
+    y_sorted = torch.sort(y).values
+    k0 = qk.rope(qk.k, 0)[:, g].permute(1, 2, 0).contiguous()  # (H, hd, V) every token's key at position 0
+    q1, k1 = qk.rope(qk.q, 1), qk.rope(qk.k, 1)[:, g]
+    own = ((q1 * k1).sum(-1) * qk.scaling).T.contiguous()  # (H, V) token 1's score against itself
+    q1 = q1.permute(1, 0, 2).contiguous()  # (H, V, hd)
+    screen = 16 * top
+    cost = torch.full((0,), float("inf"))
+    pairs = torch.zeros((0, 2), dtype=torch.long)
+    for c0 in range(0, vocab, chunk):
+        # (H, C1, V0) log-odds for every pair, one batched matmul per chunk
+        x = torch.bmm(q1[:, c0:c0 + chunk], k0).mul_(qk.scaling).sub_(own[:, c0:c0 + chunk, None]).clamp_(-clip, clip)
+        proxy = ((x.amax(0) - y.max()) ** 2 + (x.amin(0) - y.min()) ** 2 + (x.mean(0) - y.mean()) ** 2).flatten()
+        vals, idx = torch.topk(-proxy, min(screen, proxy.numel()))
+        cand = torch.stack([idx % vocab, idx // vocab + c0], 1)  # (token 0, token 1)
+        exact = ((torch.sort(x.flatten(1)[:, idx].T, -1).values - y_sorted) ** 2).mean(-1)
+        cost, pairs = torch.cat([cost, exact]), torch.cat([pairs, cand])
+        keep = torch.argsort(cost)[:top]
+        cost, pairs = cost[keep], pairs[keep]
+    return [(int(a), int(b)) for a, b in pairs]
+
+
+def exhaustive_attention_candidates(qk: FirstLayerQK, obs_layer0: torch.Tensor, k: int, passes: int = 2,
+                                    chunk: int = 4096, seeds: int = 32, shortlist: int = 256, window: int = 6
+                                    ) -> torch.Tensor:
+    """(n, k) candidates per position from the observed first-layer attention (heads, n, n), every vocabulary
+    token scored exactly (``FirstLayerQK``).
+
+    Row 0 is trivial and row 1 needs two tokens at once, so positions 0 and 1 are seeded by the ``seeds`` best
+    (token 0, token 1) pairs over all vocab^2 pairs (``first_pair_candidates``); each seed is extended over the
+    next few positions, each position scored over the whole vocabulary on its own row, and the most consistent
+    seed is decoded to the end. Later passes re-score each position on every row it enters within ``window``
+    (its query in its own row, its key in the later rows), the others fixed, over a shortlist (its ``shortlist``
+    best tokens on its own row; for positions 0 and 1, the tokens of the seed pairs). Column 0 is each position's
+    best token."""
+    n = obs_layer0.shape[-1]
+    vocab = qk.q.shape[0]
+    g = qk.group()
+    log_obs = torch.log(obs_layer0.float().clamp_min(1e-6))
+    seq = torch.zeros(n, dtype=torch.long)
+    cands = torch.zeros(n, min(k, vocab), dtype=torch.long)
+    short: list[torch.Tensor] = [torch.arange(vocab)] * n
+
+    def costs(t: int, rows: Sequence[int], ids: torch.Tensor | None = None) -> torch.Tensor:
+        fixed_k = torch.stack([qk.rope(qk.k[int(seq[j])], j) for j in range(n)])[:, g]  # (n, H, hd)
+        ids = torch.arange(vocab) if ids is None else ids
+        out = torch.zeros(len(ids))
+        for c0 in range(0, len(ids), chunk):
+            sel = ids[c0:c0 + chunk]
+            kv = qk.rope(qk.k[sel], t)[:, g]  # (C, H, hd): the candidates' keys at position t
+            qv = qk.rope(qk.q[sel], t)  # (C, H, hd): their queries at t
+            total = torch.zeros(len(sel))
+            for u in rows:
+                if u == t:  # the candidate's own row: its query against the prefix keys and its own key
+                    pre = torch.einsum("chd,jhd->chj", qv, fixed_k[:t])
+                    own = (qv * kv).sum(-1, keepdim=True)
+                    logits = torch.cat([pre, own], -1)
+                else:  # a later row: the candidate only changes the key at column t
+                    qu = qk.rope(qk.q[int(seq[u])], u)  # (H, hd)
+                    base = torch.einsum("hd,jhd->hj", qu, fixed_k[:u + 1])
+                    logits = base.unsqueeze(0).repeat(len(sel), 1, 1)
+                    logits[:, :, t] = (qu.unsqueeze(0) * kv).sum(-1)
+                total += _row_cost(logits * qk.scaling, log_obs[:, u, :u + 1])
+            out[c0:c0 + chunk] = total
+        return out
+
+    def decode_from(pair: tuple[int, int], upto: int) -> float:  # own rows, left to right, after a seed pair
+        seq[0], seq[1] = pair
+        total = 0.0
+        for t in range(2, upto):
+            c = costs(t, [t])
+            seq[t] = int(torch.argmin(c))
+            cands[t] = torch.topk(-c, cands.shape[1]).indices
+            short[t] = torch.topk(-c, min(shortlist, vocab)).indices
+            total += float(c[seq[t]])
+        return total
+
+    with torch.no_grad():
+        if n < 2:
+            return cands
+        pairs = first_pair_candidates(qk, obs_layer0[:, 1, :2].float(), seeds)
+        probe = min(n, 5)
+        best = min(pairs, key=lambda pr: (decode_from(pr, probe) if probe > 2 else 0.0, pr))
+        decode_from(best, n)
+        short[0] = torch.unique(torch.tensor([p[0] for p in pairs]))
+        short[1] = torch.unique(torch.tensor([p[1] for p in pairs]))
+        cands[0], cands[1] = seq[0], seq[1]
+        for _ in range(passes):
+            for t in range(n):
+                ids = short[t]
+                c = costs(t, list(range(max(t, 1), min(n, t + window))), ids)
+                order = torch.argsort(c)
+                seq[t] = int(ids[order[0]])
+                top = ids[order[:cands.shape[1]]]
+                cands[t, :len(top)] = top
+                cands[t, len(top):] = top[0]
+    return cands
 
 
 def _chunked(loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -417,7 +596,8 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
     observed = data.observed(target)
     idx = _prompts(data, observed, cfg)
     plain = target.plain_model
-    predicted, losses = [], []
+    predicted, losses, proposals = [], [], []
+    qk = None
     for i in idx:
         obs_ids = torch.tensor([observed[i][: cfg.max_len]])
         with torch.no_grad():
@@ -442,8 +622,21 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
             t = x.shape[1]  # a prefix: attention is causal, its rows are the observed prefix rows
             return matched_attention_loss([c.float() for c in cand], [o[:, :t, :t] for o in obs])
 
-        seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen, on_step,
-                                      prefix_loss=refine_loss if cfg.greedy else None, refine_loss=refine_loss)
+        proposal = cfg.proposal if cfg.proposal != "auto" else "exhaustive"
+        if proposal == "codebook":
+            raise ValueError("isa_attention proposes candidates by 'exhaustive' or 'relaxed', not 'codebook'")
+        proposals.append(proposal)
+        if proposal == "exhaustive":
+            if qk is None or qk.cos.shape[0] < obs_ids.shape[1]:
+                qk = FirstLayerQK.of(plain, cfg.max_len)
+            cands = exhaustive_attention_candidates(qk, obs[0], cfg.refine_k)
+            # the candidates' column 0 is already a full decoding: refine it (exact Hungarian scoring of all the
+            # observed layers) rather than restart a beam from scratch
+            seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen, candidates=cands,
+                                          refine_loss=refine_loss)
+        else:
+            seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen, on_step,
+                                          prefix_loss=refine_loss if cfg.greedy else None, refine_loss=refine_loss)
         predicted.append(seq)
         losses.append(info["final_loss"])
     metrics = _score(target, data, predicted, idx, cfg.max_len)
@@ -452,12 +645,14 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
         "isa_attention", metrics["ttrsr"], metrics["piirsr"], metrics,
         budget={"budget": budget.name, "attention_layers": cfg.layer, "steps": cfg.steps, "lr": cfg.lr,
                 "reassign_every": reassign_every, "beam": cfg.beam, "refine_k": cfg.refine_k,
+                "proposal": sorted(set(proposals)),
                 "refine_sweeps": cfg.refine_sweeps,
                 "prompts": len(idx), "max_len": cfg.max_len,
                 "candidate_pool": f"full vocabulary ({plain.config.vocab_size})"},
         uses=f"attention probabilities of every head of the first {cfg.layer} obfuscated decoder layers for each "
              "victim prompt; head permutation undone by Hungarian matching against the candidate's heads; the "
-             "public plaintext model for gradient-based inversion; no key, no obfuscated weights")
+             "public plaintext model to propose candidates (every vocabulary token scored exactly on the first "
+             "layer's attention, or gradient-based relaxation) and to score them; no key, no obfuscated weights")
 
 
 # --- IMA: learned inversion -----------------------------------------------------------------------------------
