@@ -274,14 +274,15 @@ def run_tfma(target: AttackTarget, data: PrivateData, setting: str, budget: Budg
     prior, observed, truth, info = frequency_streams(target, data, setting, budget, seed, tokens, perturb)
     v = target.vocab_size
     match = tfma_match(observed, prior, v, seed)
+    prompts_seen = observed_prompts(observed, data)
     if perturb is None:
         metrics = score_mapping(target, data, match.obf_to_plain)
     else:  # the server saw perturbed prompts: score the guesses for what it saw against the real tokens
-        metrics = score_predictions(target, data, [match.obf_to_plain[s] for s in observed_prompts(observed, data)],
+        metrics = score_predictions(target, data, [match.obf_to_plain[s] for s in prompts_seen],
                                     text_metrics=has_tokenizer(target))
     metrics.update(tfma_stream_recovery(match, observed, truth))
     metrics["stream_top1_tokenwise"] = float((match.obf_to_plain[observed] == truth).mean())
-    obs_prompt = np.concatenate(observed_prompts(observed, data))
+    obs_prompt = np.concatenate(prompts_seen)
     true_prompt = np.asarray([t for ids in data.plain_ids for t in ids])
     for k in (10, 100):
         metrics[f"prompt_top{k}"] = float((match.candidates(obs_prompt, k) == true_prompt[:, None]).any(axis=1).mean())

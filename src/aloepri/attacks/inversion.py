@@ -124,9 +124,12 @@ def hidden_loss(h: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor], cent
     return ((cos - cos_t) ** 2).mean(dim=(-1, -2)) + ((logn - logn_t) ** 2).mean(dim=-1)
 
 
+ATTN_FLOOR = 1e-6  # attention probabilities are compared in log space, floored here
+
+
 def _log_attn(a: torch.Tensor) -> torch.Tensor:
     # log-probabilities floored: the scores themselves (up to a per-row constant) are what the key leaves intact
-    return torch.log(a.clamp_min(1e-6))
+    return torch.log(a.clamp_min(ATTN_FLOOR))
 
 
 def attention_cost(obs: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
@@ -370,7 +373,7 @@ def _row_cost(logits: torch.Tensor, log_obs_row: torch.Tensor) -> torch.Tensor:
     """logits (C, heads, m) of C candidates for one attention row; log_obs_row (heads, m) observed. Mismatch of
     the floored log-probabilities, each observed head matched to its closest candidate head (a relaxation of the
     head assignment that is exact, zero, for the true tokens whatever the head permutation)."""
-    lc = torch.log(torch.softmax(logits, dim=-1).clamp_min(1e-6))
+    lc = _log_attn(torch.softmax(logits, dim=-1))
     cost = ((lc[:, None, :, :] - log_obs_row[None, :, None, :]) ** 2).mean(-1)  # (C, obs heads, cand heads)
     return cost.min(dim=-1).values.mean(-1)
 
@@ -387,8 +390,9 @@ def first_pair_candidates(qk: FirstLayerQK, obs_row1: torch.Tensor, top: int, ch
     obs_row1: (heads, 2) observed probabilities."""
     vocab = qk.q.shape[0]
     g = qk.group()
-    clip = -float(np.log(1e-6))
-    y = (torch.log(obs_row1[:, 0].clamp_min(1e-6)) - torch.log(obs_row1[:, 1].clamp_min(1e-6))).clamp(-clip, clip)
+    clip = -float(np.log(ATTN_FLOOR))
+    log_row = _log_attn(obs_row1)
+    y = (log_row[:, 0] - log_row[:, 1]).clamp(-clip, clip)
     y_sorted = torch.sort(y).values
     k0 = qk.rope(qk.k, 0)[:, g].permute(1, 2, 0).contiguous()  # (H, hd, V) every token's key at position 0
     q1, k1 = qk.rope(qk.q, 1), qk.rope(qk.k, 1)[:, g]
@@ -426,7 +430,7 @@ def exhaustive_attention_candidates(qk: FirstLayerQK, obs_layer0: torch.Tensor, 
     n = obs_layer0.shape[-1]
     vocab = qk.q.shape[0]
     g = qk.group()
-    log_obs = torch.log(obs_layer0.float().clamp_min(1e-6))
+    log_obs = _log_attn(obs_layer0.float())
     seq = torch.zeros(n, dtype=torch.long)
     cands = torch.zeros(n, min(k, vocab), dtype=torch.long)
     short: list[torch.Tensor] = [torch.arange(vocab)] * n
@@ -627,7 +631,7 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
             raise ValueError("isa_attention proposes candidates by 'exhaustive' or 'relaxed', not 'codebook'")
         proposals.append(proposal)
         if proposal == "exhaustive":
-            if qk is None or qk.cos.shape[0] < obs_ids.shape[1]:
+            if qk is None:  # one table per attack; prompts are cut at max_len, the RoPE table's length
                 qk = FirstLayerQK.of(plain, cfg.max_len)
             cands = exhaustive_attention_candidates(qk, obs[0], cfg.refine_k)
             # the candidates' column 0 is already a full decoding: refine it (exact Hungarian scoring of all the

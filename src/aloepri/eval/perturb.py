@@ -28,6 +28,11 @@ import torch
 SENSITIVITY = 2.0  # cosine similarity lies in [-1, 1]
 
 
+def _check_eps(eps_tok: float) -> None:
+    if eps_tok < 0:
+        raise ValueError("eps_tok must be >= 0")
+
+
 def normalized_embeddings(embedding: torch.Tensor) -> torch.Tensor:
     e = torch.as_tensor(embedding).to(torch.float32)
     return e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12)
@@ -36,11 +41,15 @@ def normalized_embeddings(embedding: torch.Tensor) -> torch.Tensor:
 def token_distribution(unit_emb: torch.Tensor, token: int, eps_tok: float,
                        candidates: torch.Tensor | None = None) -> torch.Tensor:
     """p(. | token) over the candidate ids (default: the whole vocabulary)."""
-    if eps_tok < 0:
-        raise ValueError("eps_tok must be >= 0")
     cand = unit_emb if candidates is None else unit_emb[candidates]
-    sim = cand @ unit_emb[token]
-    return torch.softmax(eps_tok * sim / (2 * SENSITIVITY), dim=0)
+    return token_distributions(unit_emb, torch.tensor([int(token)]), eps_tok, cand)[0]
+
+
+def token_distributions(unit_emb: torch.Tensor, tokens: torch.Tensor, eps_tok: float, cand: torch.Tensor
+                        ) -> torch.Tensor:
+    """(len(tokens), len(cand)): p(. | token) for several tokens at once over the candidate rows ``cand``."""
+    _check_eps(eps_tok)
+    return torch.softmax(eps_tok * (unit_emb[tokens] @ cand.T) / (2 * SENSITIVITY), dim=1)
 
 
 def perturb_ids(ids: Sequence[int], unit_emb: torch.Tensor, eps_tok: float, seed: int,
@@ -62,8 +71,7 @@ def perturb_stream(ids: np.ndarray, unit_emb: torch.Tensor, eps_tok: float, seed
                    candidates: torch.Tensor | None = None) -> np.ndarray:
     """``perturb_ids`` on every token of a long stream (the same mechanism, independent draws), computing each
     distinct token's distribution once."""
-    if eps_tok < 0:
-        raise ValueError("eps_tok must be >= 0")
+    _check_eps(eps_tok)
     ids = np.asarray(ids, dtype=np.int64)
     out = ids.copy()
     g = torch.Generator().manual_seed(int(seed))
@@ -77,7 +85,7 @@ def perturb_stream(ids: np.ndarray, unit_emb: torch.Tensor, eps_tok: float, seed
     block = 256
     for start in range(0, len(uniq), block):
         toks = torch.as_tensor(uniq[start:start + block])
-        probs = torch.softmax(eps_tok * (unit_emb[toks] @ cand.T) / (2 * SENSITIVITY), dim=1)
+        probs = token_distributions(unit_emb, toks, eps_tok, cand)
         for r in range(len(toks)):
             u = start + r
             where = order[bounds[u]:bounds[u + 1]]
@@ -137,7 +145,6 @@ class TokenPerturbation:
         # A fresh stream per call (seed, call_index): repeated prompts must not reuse the same draws.
         return perturb_ids(ids, self.unit_embeddings, self.eps_tok, (self.seed * 1_000_003 + call_index) % (1 << 63),
                            positions, self.candidates)
-
 
     def apply_stream(self, ids: np.ndarray, call_index: int = 0) -> np.ndarray:
         """Every token of a stream perturbed (the client's whole traffic, e.g. for the frequency attacks)."""
