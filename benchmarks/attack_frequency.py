@@ -86,6 +86,7 @@ def main(argv=None) -> int:
             if not key.exists():
                 t0 = time.perf_counter()
                 aloepri.obfuscate(src, work / "server", key, aloepri.resolve_params(preset), seed=OBF_SEED,
+                                  allow_weak_seed=True,
                                   progress=False)
                 print(f"[{model_name}/{preset}] obfuscated in {time.perf_counter() - t0:.0f}s", flush=True)
             target = AttackTarget(src, work / "server", key)

@@ -58,13 +58,14 @@ def _target(arch: str, overrides: dict, preset: str, work: Path):
         build_tiny(arch, d / "src", **overrides)
     out, key = d / f"obf-{preset}", d / f"{preset}.key"
     if not (out / "config.json").exists():
-        aloepri.obfuscate(d / "src", out, key, aloepri.resolve_params(preset), seed=OBF_SEED, progress=False)
+        aloepri.obfuscate(d / "src", out, key, aloepri.resolve_params(preset), seed=OBF_SEED,
+                          allow_weak_seed=True, progress=False)
     return tag, AttackTarget(d / "src", out, key)
 
 
 def routing_agreement(target, data) -> float:
     """Fraction of (token, layer) expert sets of the obfuscated model equal to the plaintext ones (key: truth)."""
-    from aloepri.routing import expert_orders, routing_decisions, to_plain_experts
+    from aloepri.obfuscation.routing import expert_orders, routing_decisions, to_plain_experts
 
     orders = expert_orders(target.key, target.obf_model.config)
     same = tot = 0

@@ -52,13 +52,15 @@ def target_params(target: str):
     raise ValueError(f"unknown target {target}")
 
 
-def build_target(src: Path, target: str, work: Path, seed: int, plain_model) -> AttackTarget:
+def build_target(src: Path, target: str, work: Path, seed: int, plain_model, params_fn=None) -> AttackTarget:
+    """``params_fn(target) -> ObfuscationParams`` (default ``target_params``) lets other benchmarks name targets."""
     if target == "permutation-only":
         return permutation_only_target(src, seed, plain_model)
     d = work / f"{src.stem}-{target}-s{seed}"
     if not (d / "model" / "config.json").exists():
         print(f"obfuscating {src.name} as {target}", flush=True)
-        aloepri.obfuscate(src, d / "model", d / "key.json", target_params(target), seed=seed, overwrite=True,
+        aloepri.obfuscate(src, d / "model", d / "key.json", (params_fn or target_params)(target), seed=seed,
+                          allow_weak_seed=True, overwrite=True,
                           progress=False)
     t = AttackTarget(src, d / "model", d / "key.json")
     t.plain_model = plain_model  # share the public model between targets (memory)
@@ -96,13 +98,13 @@ def render(store: dict) -> str:
     return "\n".join(out)
 
 
-def save_entry(key: str, entry: dict) -> dict:
+def save_entry(key: str, entry: dict, path: Path = RESULTS) -> dict:
     """Merge one result into the JSON (re-read first: several runs may write it) and replace it atomically."""
-    store = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    store = json.loads(path.read_text()) if path.exists() else {}
     store[key] = entry
-    tmp = RESULTS.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(store, indent=1, default=str) + "\n")
-    os.replace(tmp, RESULTS)
+    os.replace(tmp, path)
     return store
 
 
@@ -133,7 +135,7 @@ def main() -> None:
             if not todo:
                 continue
             if plain is None:
-                from aloepri.inference import load_plain_model
+                from aloepri.runtime.inference import load_plain_model
 
                 plain = load_plain_model(src)
             t = build_target(src, target, work, a.seed, plain)

@@ -36,7 +36,7 @@ def main() -> int:
             src, work = smollm2_gguf(), Path("/tmp/aloepri-evalfid") / f"smol-{preset}"
             if not (work / "server" / "model.safetensors.index.json").is_file():
                 aloepri.obfuscate(src, work / "server", work / "client.key", aloepri.resolve_params(preset),
-                                  seed=SEED, overwrite=True, progress=False)
+                                  seed=SEED, allow_weak_seed=True, overwrite=True, progress=False)
         else:  # the HumanEval benchmark's artifacts (same seed)
             src, work = qwen25_coder_05b_gguf(), Path("/tmp/aloepri-humaneval") / f"qwen-{preset}"
             if not (work / "server" / "model.safetensors.index.json").is_file():

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from aloepri import load_key, obfuscate, resolve_params
-from aloepri.fidelity import builtin_prompt_ids, compare
-from aloepri.inference import load_plain_model, load_tokenizer
+from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+from aloepri.runtime.inference import load_plain_model, load_tokenizer
 from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
 
 CONFIGS = {
@@ -108,7 +108,8 @@ def main() -> None:
             dtype = overrides.pop("dtype", "float32")
             params = resolve_params(preset, **overrides)
             t = time.perf_counter()
-            res = obfuscate(src, work / "m", work / "k.json", params, seed=a.seed, overwrite=True, progress=False,
+            res = obfuscate(src, work / "m", work / "k.json", params, seed=a.seed,
+                            allow_weak_seed=True, overwrite=True, progress=False,
                             dtype=dtype)
             t_obf = time.perf_counter() - t
             key = load_key(work / "k.json")

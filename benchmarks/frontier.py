@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from aloepri.params import resolve_params
+from aloepri.obfuscation.params import resolve_params
 from aloepri.tuning import DEFAULT_ATTACKS, Evaluator, ResultStore, sweep
 
 RESULTS = Path(__file__).parent / "results"

@@ -33,9 +33,9 @@ def main() -> None:
     import llama_cpp
 
     import aloepri
-    from aloepri.fidelity import builtin_prompt_ids
-    from aloepri.gguf_export import export_gguf, plaintext_reference_dir
-    from aloepri.inference import load_tokenizer
+    from aloepri.runtime.fidelity import builtin_prompt_ids
+    from aloepri.export.gguf import export_gguf, plaintext_reference_dir
+    from aloepri.runtime.inference import load_tokenizer
     from aloepri.models import smollm2_gguf
 
     def llama(path):
@@ -55,7 +55,8 @@ def main() -> None:
 
     smol = smollm2_gguf()
     work = Path(tempfile.mkdtemp(prefix="aloepri-gguf-fid-"))
-    aloepri.obfuscate(smol, work / "out", work / "key.json", aloepri.resolve_params("exact"), seed=a.seed, progress=False)
+    aloepri.obfuscate(smol, work / "out", work / "key.json", aloepri.resolve_params("exact"), seed=a.seed,
+                      allow_weak_seed=True, progress=False)
     key = aloepri.load_key(work / "key.json")
     tok = load_tokenizer(key, smol)
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)

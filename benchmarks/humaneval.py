@@ -32,7 +32,8 @@ def ensure_obfuscated(src: Path, preset: str, work: Path) -> tuple[Path, Path]:
     server, key = work / f"qwen-{preset}" / "server", work / f"qwen-{preset}" / "client.key"
     if not (server / "model.safetensors.index.json").is_file() or not key.is_file():
         t = time.perf_counter()
-        aloepri.obfuscate(src, server, key, aloepri.resolve_params(preset), seed=SEED, overwrite=True, progress=False)
+        aloepri.obfuscate(src, server, key, aloepri.resolve_params(preset), seed=SEED,
+                          allow_weak_seed=True, overwrite=True, progress=False)
         print(f"obfuscated {preset} in {time.perf_counter() - t:.0f}s", flush=True)
     return server, key
 

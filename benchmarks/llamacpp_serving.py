@@ -104,7 +104,7 @@ class Server:
 
 def stream(http: httpx2.Client, url: str, body: dict) -> dict:
     """One streaming completion: send time, arrival of every token event, and the ids (neutral text)."""
-    from aloepri.server_tokenizer import neutral_text_to_ids
+    from aloepri.obfuscation.server_tokenizer import neutral_text_to_ids
 
     text, arrivals, sizes = "", [], []
     t0 = time.perf_counter()
@@ -137,10 +137,10 @@ def matmul_flops_per_token(cfg: dict, context: float) -> dict:
 
 def main() -> None:
     import aloepri
-    from aloepri.gguf_export import export_gguf, plaintext_reference_dir
-    from aloepri.inference import load_tokenizer
+    from aloepri.export.gguf import export_gguf, plaintext_reference_dir
+    from aloepri.runtime.inference import load_tokenizer
     from aloepri.models import smollm2_gguf
-    from aloepri.server_tokenizer import ids_to_neutral_text
+    from aloepri.obfuscation.server_tokenizer import ids_to_neutral_text
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
@@ -158,6 +158,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "client.key").is_file():
         aloepri.obfuscate(smol, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=2026,
+                          allow_weak_seed=True,
                           progress=False)
     if not (work / "obf.gguf").is_file():
         export_gguf(work / "server", work / "obf.gguf", "f32")

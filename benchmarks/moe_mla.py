@@ -62,14 +62,14 @@ def _load(path):
 @torch.no_grad()
 def fidelity(arch: str, preset: str, work: Path, seed: int = 5) -> dict:
     import aloepri
-    from aloepri.routing import expert_orders, routing_decisions, to_plain_experts
+    from aloepri.obfuscation.routing import expert_orders, routing_decisions, to_plain_experts
 
     src = work / f"{arch}-src"
     if not src.exists():
         build_tiny(arch, src, seed=0, **{**WIDE, **WIDE_PER_ARCH[arch]})
     out = work / f"{arch}-{preset}"
     params = aloepri.resolve_params(preset.split("+")[0], **PRESET_VARIANTS.get(preset, {}))
-    aloepri.obfuscate(src, out, work / f"{arch}-{preset}.key", params, seed=seed,
+    aloepri.obfuscate(src, out, work / f"{arch}-{preset}.key", params, seed=seed, allow_weak_seed=True,
                       progress=False, overwrite=True)
     key = aloepri.load_key(work / f"{arch}-{preset}.key")
     plain, obf = _load(src), _load(out)
@@ -96,7 +96,7 @@ def normalisation(arch: str, spread: float, work: Path) -> dict:
     rows' norms have a log-normal spread ``spread`` (0 = the random init's own, nearly equal norms)."""
     import aloepri
     from safetensors.torch import load_file, save_file
-    from aloepri.routing import expert_orders, routing_decisions, to_plain_experts
+    from aloepri.obfuscation.routing import expert_orders, routing_decisions, to_plain_experts
 
     src = work / f"{arch}-norm{spread}"
     if not src.exists():
@@ -112,7 +112,7 @@ def normalisation(arch: str, spread: float, work: Path) -> dict:
     for normalize in (False, True):
         out = work / f"{arch}-norm{spread}-{normalize}"
         aloepri.obfuscate(src, out, work / f"{out.name}.key", aloepri.resolve_params("exact", router_normalize=normalize),
-                          seed=5, progress=False, overwrite=True)
+                          seed=5, allow_weak_seed=True, progress=False, overwrite=True)
         key = aloepri.load_key(work / f"{out.name}.key")
         plain, obf = _load(src), _load(out)
         ids = torch.randint(0, 2048, (8, 32), generator=torch.Generator().manual_seed(1))
@@ -138,7 +138,7 @@ def hwm():
             return int(line.split()[1]) / 1024
 before = hwm()
 r = aloepri.obfuscate(sys.argv[1], Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", aloepri.resolve_params("default"),
-                      seed=1, progress=False)
+                      seed=1, allow_weak_seed=True, progress=False)
 print(json.dumps({"seconds": r.seconds, "output_mib": r.bytes_written / 2**20, "peak_rss_mib": hwm(), "imports_rss_mib": before}))
 """
 

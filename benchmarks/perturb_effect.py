@@ -15,7 +15,7 @@ import torch
 
 from aloepri.eval.fidelity import BUILTIN_PROMPTS
 from aloepri.eval.perturb import TokenPerturbation, content_span
-from aloepri.inference import load_plain_model
+from aloepri.runtime.inference import load_plain_model
 from aloepri.models import smollm2_gguf
 
 OUT = Path(__file__).parent / "results" / "perturb_effect.json"

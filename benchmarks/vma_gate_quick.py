@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from aloepri import load_key, obfuscate, resolve_params
-from aloepri.checkpoint import GGUFCheckpoint
+from aloepri.obfuscation.checkpoint import GGUFCheckpoint
 from aloepri.models import smollm2_gguf
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     settings += [(f"default,alpha_e={x}", resolve_params("default", alpha_e=x)) for x in a.default_alpha_e]
     for preset, params in settings:
         with tempfile.TemporaryDirectory() as work:
-            obfuscate(src, Path(work) / "m", Path(work) / "k.json", params, seed=a.seed,
+            obfuscate(src, Path(work) / "m", Path(work) / "k.json", params, seed=a.seed, allow_weak_seed=True,
                       overwrite=True, progress=False)
             key = load_key(Path(work) / "k.json")
             index = json.loads((Path(work) / "m" / "model.safetensors.index.json").read_text())["weight_map"]

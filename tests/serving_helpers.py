@@ -105,7 +105,7 @@ def ngrams(seq: list[int], n: int) -> set[tuple[int, ...]]:
 class Forwarder:
     """ASGI app that relays every HTTP request unchanged to ``upstream`` and streams the answer back.
 
-    Wrapped in :class:`Recorder` and run on a loopback :class:`aloepri.serve_local.ServerThread` it is a wire tap
+    Wrapped in :class:`Recorder` and run on a loopback :class:`aloepri.serving.local_server.ServerThread` it is a wire tap
     in front of a real server in another process: the recorder holds exactly the bytes that server received
     and sent."""
 
@@ -246,7 +246,7 @@ def neutral_completion(url: str, prompt_ids: list[int], max_tokens: int, stream:
     identity, so this queries the plaintext model with the plaintext prompt ids."""
     import httpx2
 
-    from aloepri.server_tokenizer import ids_to_neutral_text, neutral_text_to_ids
+    from aloepri.obfuscation.server_tokenizer import ids_to_neutral_text, neutral_text_to_ids
 
     body = {"prompt": ids_to_neutral_text(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
             "repeat_penalty": 1.0, "stream": stream, **sampling}

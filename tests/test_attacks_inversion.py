@@ -24,6 +24,7 @@ def tiny_exact(tiny_dir, tmp_path_factory):
     src = tiny_dir("llama")
     work = tmp_path_factory.mktemp("inv-exact")
     aloepri.obfuscate(src, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=11,
+                      allow_weak_seed=True,
                       progress=False)
     return AttackTarget(src, work / "server", work / "client.key")
 

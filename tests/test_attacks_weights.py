@@ -51,7 +51,7 @@ def tiny_targets(tiny_dir, tmp_path_factory):
     for name, params in {"exact": aloepri.resolve_params("exact", h=16),
                          "exact-nohp": aloepri.resolve_params("exact", h=16, head_permutation=False),
                          "noisy": aloepri.resolve_params("paper", h=16, alpha_e=3.0, alpha_h=3.0)}.items():
-        aloepri.obfuscate(src, work / name, work / f"{name}.key", params, seed=7, progress=False)
+        aloepri.obfuscate(src, work / name, work / f"{name}.key", params, seed=7, allow_weak_seed=True, progress=False)
         t = AttackTarget(src, work / name, work / f"{name}.key")
         t.tokenizer = IdTokenizer(96)
         out[name] = t

@@ -8,7 +8,7 @@ from aloepri.cli import main
 def test_obfuscate_then_verify_tiny_without_tokenizer(tiny_dir, tmp_path, capsys):
     out, key = tmp_path / "server", tmp_path / "client.key"
     rc = main(["obfuscate", str(tiny_dir("qwen2")), str(out), "--key-out", str(key), "--preset", "exact",
-               "--seed", "11", "--h", "8", "--quiet"])
+               "--seed", "11", "--allow-weak-seed", "--h", "8", "--quiet"])
     assert rc == 0
     info = json.loads(capsys.readouterr().out)
     assert info["h"] >= 8 and info["h"] % 2 == 0 and (48 + 2 * info["h"]) % 6 == 0
@@ -25,7 +25,8 @@ def test_obfuscate_then_verify_tiny_without_tokenizer(tiny_dir, tmp_path, capsys
 
 def test_overrides_change_the_artifact(tiny_dir, tmp_path, capsys):
     args = lambda name, extra: ["obfuscate", str(tiny_dir("llama")), str(tmp_path / name), "--key-out",  # noqa: E731
-                                str(tmp_path / f"{name}.key"), "--seed", "3", "--preset", "exact", "--quiet"] + extra
+                                str(tmp_path / f"{name}.key"), "--seed", "3", "--allow-weak-seed", "--preset", "exact",
+                                "--quiet"] + extra
     assert main(args("a", [])) == 0
     assert main(args("b", ["--alpha-e", "0.5"])) == 0
     ka = json.loads((tmp_path / "a.key").read_text())

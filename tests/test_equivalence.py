@@ -46,7 +46,8 @@ def obfuscated(tiny_dir, tmp_path_factory):
         if k not in cache:
             work = tmp_path_factory.mktemp(f"obf-{arch}")
             params = aloepri.resolve_params(preset, **overrides)
-            aloepri.obfuscate(tiny_dir(arch), work / "out", work / "key.json", params, seed=seed, progress=False)
+            aloepri.obfuscate(tiny_dir(arch), work / "out", work / "key.json", params, seed=seed,
+                              allow_weak_seed=True, progress=False)
             cache[k] = (work / "out", aloepri.load_key(work / "key.json"))
         return cache[k]
 

@@ -128,9 +128,10 @@ def test_truncate_at_stop():
 def tiny_exact(tiny_dir, tmp_path_factory):
     src = tiny_dir("llama_bias")  # the same build as the CLI test (untied head)
     work = tmp_path_factory.mktemp("eval-tiny")
-    aloepri.obfuscate(src, work / "exact", work / "exact.key", aloepri.resolve_params("exact"), seed=5, progress=False)
+    aloepri.obfuscate(src, work / "exact", work / "exact.key", aloepri.resolve_params("exact"), seed=5,
+                      allow_weak_seed=True, progress=False)
     aloepri.obfuscate(src, work / "noisy", work / "noisy.key", aloepri.resolve_params("exact", alpha_e=0.5, alpha_h=0.3),
-                      seed=5, progress=False)
+                      seed=5, allow_weak_seed=True, progress=False)
     plain = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float64).eval()
     load = lambda d: AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float64).eval()  # noqa: E731
     return plain, (load(work / "exact"), aloepri.load_key(work / "exact.key")), \
@@ -237,13 +238,14 @@ def tok_model(tmp_path_factory):
     LlamaForCausalLM(cfg).to(torch.float64).save_pretrained(src)
     tok.save_pretrained(src)
     aloepri.obfuscate(src, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=11,
+                      allow_weak_seed=True,
                       progress=False)
     return src, work / "server", work / "client.key"
 
 
 def test_perturbed_chat(tok_model):
     from aloepri.eval.perturb import TokenPerturbation, content_span, perturbed_chat
-    from aloepri.inference import PrivateModel
+    from aloepri.runtime.inference import PrivateModel
 
     src, server, key = tok_model
     pm = PrivateModel(key, server, dtype=torch.float64)
@@ -268,7 +270,7 @@ def test_lm_eval_adapter_on_local_task(tok_model, tmp_path):
     from lm_eval.tasks import TaskManager
 
     from aloepri.eval.lm_eval_adapter import AloePriLM
-    from aloepri.inference import load_plain_model
+    from aloepri.runtime.inference import load_plain_model
 
     src, server, key = tok_model
     lm = AloePriLM(server_dir=str(server), key=str(key), max_length=64, dtype="float64")

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from aloepri import keymat
-from aloepri.secrets import effective_h
-from aloepri.transforms import pair_permutation_matrix, rope_pair_rotation
+from aloepri.obfuscation import keymat
+from aloepri.obfuscation.secrets import effective_h
+from aloepri.obfuscation.transforms import pair_permutation_matrix, rope_pair_rotation
 
 
 @pytest.mark.parametrize("lam,e_scale,c_scale", [(0.0, 0.0, 0.0), (0.3, 1.0, 1.0), (0.3, 1.0, 10.0)])
@@ -96,8 +96,8 @@ def test_effective_h_makes_heads_divide():
 def test_conditioned_vo_mixing_is_well_conditioned():
     """The paper's Gaussian U_vo has condition numbers in the hundreds to thousands (they amplify fp16 rounding
     of v/o); the default draws it as O1 diag(s) O2 with s in [1/2, 2], so cond <= 4."""
-    from aloepri.params import ObfuscationParams
-    from aloepri.secrets import ModelShape, SecretSampler
+    from aloepri.obfuscation.params import ObfuscationParams
+    from aloepri.obfuscation.secrets import ModelShape, SecretSampler
 
     shape = ModelShape(d=64, vocab_size=10, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=32, rope_base=1e4, qk_norm=False)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from aloepri.transforms import _permute_noise_project
+from aloepri.obfuscation.transforms import _permute_noise_project
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import aloepri
-from aloepri.client import Client
-from aloepri.inference import load_plain_model
-from aloepri.proxy import build_proxy
-from aloepri.serve_local import LocalServer, ServerThread
+from aloepri.serving.client import Client
+from aloepri.runtime.inference import load_plain_model
+from aloepri.serving.proxy import build_proxy
+from aloepri.serving.local_server import LocalServer, ServerThread
 from conftest import smollm2_or_skip
 from serving_helpers import Recorder, greedy, ngrams
 
@@ -195,7 +195,7 @@ def llamacpp(smol, smollm2_exact, tmp_path_factory):
     server, so the test sees every byte that server received and sent."""
     if not _llama_cpp_server_available():
         pytest.skip("llama-cpp-python[server] is not installed")
-    from aloepri.gguf_export import export_gguf, plaintext_reference_dir
+    from aloepri.export.gguf import export_gguf, plaintext_reference_dir
     from serving_helpers import Forwarder, LlamaCppServer
 
     _, server_dir, key_path = smollm2_exact
@@ -231,7 +231,7 @@ def _plain_reference(llamacpp, question: str, stream: bool):
 
 def _llamacpp_exchange(llamacpp, stream: bool):
     """The one completion request the obfuscated llama.cpp server received, and the permuted ids it answered."""
-    from aloepri.server_tokenizer import neutral_text_to_ids
+    from aloepri.obfuscation.server_tokenizer import neutral_text_to_ids
     from serving_helpers import sse_data
 
     seen = [e for e in llamacpp["recorder"].exchanges if e["path"] == "/v1/completions"]

@@ -17,16 +17,19 @@ def _siblings(path):
 
 
 def test_key_mode_0600_and_outside_server_dir(tiny_dir, tmp_path):
-    aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "client" / "key.json", EXACT, seed=1, progress=False)
+    aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "client" / "key.json", EXACT, seed=1,
+                      allow_weak_seed=True, progress=False)
     mode = stat.S_IMODE(os.stat(tmp_path / "client" / "key.json").st_mode)
     assert mode == 0o600
     with pytest.raises(ValueError, match="inside the server directory"):
-        aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out2", tmp_path / "out2" / "key.json", EXACT, seed=1, progress=False)
+        aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out2", tmp_path / "out2" / "key.json", EXACT, seed=1,
+                          allow_weak_seed=True, progress=False)
     assert not (tmp_path / "out2").exists()
 
 
 def test_server_artifact_holds_no_secret(tiny_dir, tmp_path):
-    aloepri.obfuscate(tiny_dir("qwen2"), tmp_path / "out", tmp_path / "key.json", EXACT, seed=424242, progress=False)
+    aloepri.obfuscate(tiny_dir("qwen2"), tmp_path / "out", tmp_path / "key.json", EXACT, seed=424242,
+                      allow_weak_seed=True, progress=False)
     key = aloepri.load_key(tmp_path / "key.json")
     perm_text = json.dumps(key.vocab_permutation[:8])[1:-1]  # a run of the secret mapping as it is serialised
     for f in (tmp_path / "out").iterdir():
@@ -40,13 +43,13 @@ def test_server_artifact_holds_no_secret(tiny_dir, tmp_path):
 
 def test_fingerprint_mismatch_refused(tiny_dir, tmp_path):
     src = tiny_dir("llama")
-    aloepri.obfuscate(src, tmp_path / "a", tmp_path / "a.key", EXACT, seed=1, progress=False)
-    aloepri.obfuscate(src, tmp_path / "b", tmp_path / "b.key", EXACT, seed=2, progress=False)
+    aloepri.obfuscate(src, tmp_path / "a", tmp_path / "a.key", EXACT, seed=1, allow_weak_seed=True, progress=False)
+    aloepri.obfuscate(src, tmp_path / "b", tmp_path / "b.key", EXACT, seed=2, allow_weak_seed=True, progress=False)
     key_a = aloepri.load_key(tmp_path / "a.key")
     aloepri.check_key_matches(key_a, tmp_path / "a")
     with pytest.raises(KeyMismatchError, match="does not belong"):
         aloepri.check_key_matches(key_a, tmp_path / "b")
-    from aloepri.inference import PrivateModel
+    from aloepri.runtime.inference import PrivateModel
 
     with pytest.raises(KeyMismatchError):
         PrivateModel(tmp_path / "a.key", tmp_path / "b")
@@ -61,7 +64,8 @@ def test_unknown_architecture_is_a_clear_error(tiny_dir, tmp_path):
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
-        aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", EXACT, seed=1, progress=False)
+        aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", EXACT, seed=1,
+                          allow_weak_seed=True, progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "key.json").exists()
     assert _siblings(tmp_path / "out") == ["src"]  # no partial directory left behind
 
@@ -83,7 +87,8 @@ def test_truncated_shard_is_refused_and_nothing_written(tiny_dir, tmp_path):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])
     with pytest.raises(CheckpointError, match="truncated"):
-        aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", EXACT, seed=1, progress=False)
+        aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", EXACT, seed=1,
+                          allow_weak_seed=True, progress=False)
     assert _siblings(tmp_path / "out") == ["sharded"]
 
 
@@ -92,19 +97,21 @@ def test_missing_index_entry_is_refused(tiny_dir, tmp_path):
     del index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="model.layers.1.mlp.down_proj.weight"):
-        aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", EXACT, seed=1, progress=False)
+        aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", EXACT, seed=1,
+                          allow_weak_seed=True, progress=False)
     assert _siblings(tmp_path / "out") == ["sharded"]
 
 
 def test_sharded_source_gives_same_model_as_single_file(tiny_dir, tmp_path):
     src, _ = _sharded_copy(tiny_dir, tmp_path)
-    a = aloepri.obfuscate(src, tmp_path / "a", tmp_path / "a.key", EXACT, seed=9, progress=False)
-    b = aloepri.obfuscate(tiny_dir("qwen2"), tmp_path / "b", tmp_path / "b.key", EXACT, seed=9, progress=False)
+    a = aloepri.obfuscate(src, tmp_path / "a", tmp_path / "a.key", EXACT, seed=9, allow_weak_seed=True, progress=False)
+    b = aloepri.obfuscate(tiny_dir("qwen2"), tmp_path / "b", tmp_path / "b.key", EXACT, seed=9,
+                          allow_weak_seed=True, progress=False)
     assert a.fingerprint == b.fingerprint  # same seed, same weights -> same artifact, whatever the sharding
 
 
 def test_failure_midway_leaves_no_partial_output(tiny_dir, tmp_path, monkeypatch):
-    from aloepri import pipeline
+    from aloepri.obfuscation import pipeline
 
     calls = {"n": 0}
     real = pipeline._obfuscate_layer
@@ -117,7 +124,8 @@ def test_failure_midway_leaves_no_partial_output(tiny_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(pipeline, "_obfuscate_layer", failing)
     with pytest.raises(RuntimeError, match="simulated"):
-        aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "key.json", EXACT, seed=1, progress=False)
+        aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "key.json", EXACT, seed=1,
+                          allow_weak_seed=True, progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "key.json").exists()
     assert [p for p in tmp_path.iterdir()] == []
 
@@ -126,7 +134,8 @@ def test_existing_output_needs_force(tiny_dir, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "precious.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
-        aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "key.json", EXACT, seed=1, progress=False)
+        aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "key.json", EXACT, seed=1,
+                          allow_weak_seed=True, progress=False)
     assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"
 
 
@@ -147,9 +156,9 @@ def test_malformed_key_file(tmp_path):
 
 def test_cli_reports_errors_without_traceback(tiny_dir, tmp_path, capsys):
     rc = cli_main(["obfuscate", str(tmp_path / "nope"), str(tmp_path / "out"), "--key-out", str(tmp_path / "k"),
-                   "--seed", "1", "--quiet"])
+                   "--seed", "1", "--allow-weak-seed", "--quiet"])
     assert rc == 2
     assert "no such file or directory" in capsys.readouterr().err
     rc = cli_main(["obfuscate", str(tiny_dir("llama")), str(tmp_path / "out"), "--key-out", str(tmp_path / "k"),
-                   "--seed", "1", "--preset", "exact", "--lam", "-1", "--quiet"])
+                   "--seed", "1", "--allow-weak-seed", "--preset", "exact", "--lam", "-1", "--quiet"])
     assert rc == 2 and "lam must be >= 0" in capsys.readouterr().err

@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import aloepri
-from aloepri.checkpoint import GGUFCheckpoint
-from aloepri.fidelity import builtin_prompt_ids, compare
-from aloepri.inference import PrivateModel, load_plain_model, load_tokenizer
+from aloepri.obfuscation.checkpoint import GGUFCheckpoint
+from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+from aloepri.runtime.inference import PrivateModel, load_plain_model, load_tokenizer
 from conftest import smollm2_or_skip
 
 

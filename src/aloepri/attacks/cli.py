@@ -56,11 +56,27 @@ def cmd_attack(args: argparse.Namespace) -> int:
     return 0
 
 
+def attack_listing() -> str:
+    """Every registered attack with the first line of its description (for ``aloepri attack --help``)."""
+    from . import REGISTRY, UNAVAILABLE
+
+    def first_sentence(doc: str | None) -> str:
+        text = " ".join((doc or "").strip().split("\n\n")[0].split())
+        return text.split(". ")[0].rstrip(".") + "." if text else "(no description)"
+
+    width = max(len(n) for n in REGISTRY)
+    lines = ["attacks:"] + [f"  {n.ljust(width)}  {first_sentence(fn.__doc__)}" for n, fn in sorted(REGISTRY.items())]
+    lines += [f"  (unavailable: {why})" for why in UNAVAILABLE.values()]
+    return "\n".join(lines) + "\n"
+
+
 def add_attack_commands(sub: Any) -> None:
     """Add ``attack`` to the ``aloepri`` subcommands."""
-    p = sub.add_parser("attack", help="run privacy attacks (VMA, IA, NN, ISA, IMA, TFMA, SDA, ...) on an obfuscated "
-                                      "model and write a JSON + Markdown report")
-    p.add_argument("name", help="attack name, comma-separated names, or 'all'")
+    p = sub.add_parser("attack", help="run privacy attacks (VMA, IA, NN, ISA, IMA, TFMA, SDA, behavioural, ...) on an "
+                                      "obfuscated model and write a JSON + Markdown report")
+    p.add_argument("name", help="attack name, comma-separated names, or 'all' (every attack is listed below)")
+    base_help = p.format_help
+    p.format_help = lambda: base_help() + "\n" + attack_listing()  # lazy: the registry imports every module
     p.add_argument("--plain", required=True, help="the public plaintext model (GGUF file or HF directory)")
     p.add_argument("--obfuscated", required=True, help="the obfuscated model directory (the server's artifact)")
     p.add_argument("--key", required=True, help="the client key (ground truth, used only to score)")

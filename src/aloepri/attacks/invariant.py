@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register_variant
 from .vma import _layer, _w, embed_matrix, match_features, num_layers, spread_layers
 
 Tensor = torch.Tensor
@@ -112,19 +112,14 @@ def run_attn_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: i
         uses="public plaintext weights + obfuscated embedding and W_query; no key, no pairs")
 
 
-@register("gate-ia")
-def gate_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """Gate-IA: per-layer mean gate pre-activation of every token, nearest neighbour over the full vocabulary."""
-    return run_gate_ia(target, data, budget, seed)
-
-
-@register("attn-ia")
-def attn_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """Attn-IA: per (layer, head, RoPE block) leverage of every token, in head/block order (the paper's attack)."""
-    return run_attn_ia(target, data, budget, seed, sort_within_layer=False)
-
-
-@register("attn-ia-sorted")
-def attn_ia_sorted(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """Attn-IA with each layer's invariants sorted (our extension: immune to head and block permutations)."""
-    return run_attn_ia(target, data, budget, seed, sort_within_layer=True)
+gate_ia = register_variant(
+    "gate-ia", run_gate_ia,
+    "Gate-IA: per-layer mean gate pre-activation of every token, nearest neighbour over the full vocabulary.")
+attn_ia = register_variant(
+    "attn-ia", run_attn_ia,
+    "Attn-IA: per (layer, head, RoPE block) leverage of every token, in head/block order (the paper's attack).",
+    sort_within_layer=False)
+attn_ia_sorted = register_variant(
+    "attn-ia-sorted", run_attn_ia,
+    "Attn-IA with each layer's invariants sorted (our extension: immune to head and block permutations).",
+    sort_within_layer=True)

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_predictions
+from .base import (AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, register_variant,
+                   score_predictions)
 
 # --- forward passes truncated at a layer ----------------------------------------------------------------------
 
@@ -756,18 +757,18 @@ def _attacker_views(target: AttackTarget, chunks: torch.Tensor, cfg: IMAConfig, 
         return [_features(target.obf_model, obf_ids, cfg.layer)], "oracle pairs from the victim's own key and model"
     if params.get("mechanism") == UNPROTECTED:
         return [_features(target.plain_model, chunks, cfg.layer)], "no protection (target is the plaintext model)"
-    import aloepri
     from transformers import AutoModelForCausalLM
 
     from ..keyfile import load_key
-    from ..params import ObfuscationParams
+    from ..obfuscation.params import ObfuscationParams
+    from ..obfuscation.pipeline import obfuscate
 
     p = ObfuscationParams.from_dict(params)
     views = []
     for k in range(cfg.keys):
         own_seed = int(np.random.default_rng([seed, k]).integers(1 << 31))
         out, key_path = workdir / f"own-{k}", workdir / f"own-{k}.key"
-        aloepri.obfuscate(target.plain_src, out, key_path, p, seed=own_seed, progress=False)
+        obfuscate(target.plain_src, out, key_path, p, seed=own_seed, allow_weak_seed=True, progress=False)
         own_key = load_key(key_path)
         model = AutoModelForCausalLM.from_pretrained(str(out), dtype=target.dtype).eval()
         obf_ids = torch.as_tensor(own_key.permutation)[chunks]
@@ -860,13 +861,11 @@ def isa_attention(target: AttackTarget, data: PrivateData, budget: Budget, seed:
     return isa_attention_attack(target, data, budget, seed)
 
 
-@register("ima")
-def ima(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """IMA, the paper's setting: inversion model trained on data the attacker obfuscates with its own keys."""
-    return _ima(target, data, budget, seed, oracle=False)
-
-
-@register("ima_oracle")
-def ima_oracle(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """IMA with oracle pairs from the victim's own key (stronger than the threat model; reported separately)."""
-    return _ima(target, data, budget, seed, oracle=True)
+ima = register_variant(
+    "ima", _ima,
+    "IMA, the paper's setting: inversion model trained on data the attacker obfuscates with its own keys.",
+    oracle=False)
+ima_oracle = register_variant(
+    "ima_oracle", _ima,
+    "IMA with oracle pairs from the victim's own key (stronger than the threat model; reported separately).",
+    oracle=True)

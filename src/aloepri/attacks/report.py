@@ -151,7 +151,8 @@ def run_ablation(plain_src: str | Path, base_params, work_dir: str | Path, data_
         if not (d / "model" / "config.json").exists():
             if log:
                 log(f"ablation: obfuscating row '{row}'")
-            obfuscate(plain_src, d / "model", d / "key.json", params, seed=seed, overwrite=True, progress=False)
+            obfuscate(plain_src, d / "model", d / "key.json", params, seed=seed,
+                      allow_weak_seed=True, overwrite=True, progress=False)
         target = AttackTarget(plain_src, d / "model", d / "key.json")
         rows.append(AblationRow(row, params.to_dict(), run_attacks(target, data_fn(target), names, budget, seed, log)))
     return rows

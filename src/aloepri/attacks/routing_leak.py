@@ -1,7 +1,7 @@
 """MoE routing leak (issue 5, item 7): recover the victim's plaintext tokens from the experts the server saw chosen.
 
 Threat: the server runs the obfuscated MoE model, so per token and MoE layer it sees which expert *slots* were
-chosen (``aloepri.routing.routing_decisions``). AloePri permutes the experts of every layer by a secret
+chosen (``aloepri.obfuscation.routing.routing_decisions``). AloePri permutes the experts of every layer by a secret
 ``Z_router`` but, in the exact variant, keeps the choices themselves: the obfuscated model picks the same experts
 as the public plaintext model, relabelled. The attacker holds the public plaintext model and the obfuscated ids.
 
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from ..routing import expert_orders, router_module_names, routing_decisions
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_predictions
+from ..obfuscation.routing import expert_orders, router_module_names, routing_decisions
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register_variant, score_predictions
 
 Routing = dict[int, np.ndarray]  # {MoE layer: (tokens, top_k) expert numbers}
 
@@ -267,7 +267,7 @@ TINY_PREFIX_LEN = 8  # stand-in chat template for models without a tokenizer: fi
 
 
 def num_experts(config: Any) -> int:
-    from ..archs import spec_for_hf
+    from ..obfuscation.archs import spec_for_hf
 
     spec = spec_for_hf(getattr(config, "architectures", None))
     if spec.moe is None:
@@ -339,13 +339,9 @@ def run_routing_leak(target: AttackTarget, data: PrivateData, budget: Budget, se
                         metrics, budget_info, uses)
 
 
-@register("routing_leak")
-def routing_leak(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """MoE routing leak: tokens from observed expert choices, expert relabelling learned (no key)."""
-    return run_routing_leak(target, data, budget, seed, oracle=False)
-
-
-@register("routing_leak_oracle")
-def routing_leak_oracle(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """MoE routing leak with the true expert relabelling from the key (oracle upper bound)."""
-    return run_routing_leak(target, data, budget, seed, oracle=True)
+routing_leak = register_variant(
+    "routing_leak", run_routing_leak,
+    "MoE routing leak: tokens from observed expert choices, expert relabelling learned (no key).", oracle=False)
+routing_leak_oracle = register_variant(
+    "routing_leak_oracle", run_routing_leak,
+    "MoE routing leak with the true expert relabelling from the key (oracle upper bound).", oracle=True)

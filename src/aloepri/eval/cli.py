@@ -50,7 +50,7 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
 
 
 def cmd_privacy_budget(a: argparse.Namespace) -> int:
-    from ..params import resolve_params
+    from ..obfuscation.params import resolve_params
     from .perturb import sequence_epsilon
     from .privacy import privacy_budget
 
@@ -70,7 +70,7 @@ def cmd_privacy_budget(a: argparse.Namespace) -> int:
 
 
 def add_eval_commands(sub) -> None:
-    from ..params import PRESETS
+    from ..obfuscation.params import PRESETS
 
     ev = sub.add_parser("eval", help="accuracy evaluation: HumanEval pass@1, fidelity and perplexity")
     esub = ev.add_subparsers(dest="eval_command", required=True)

@@ -1,4 +1,4 @@
-"""Fidelity of an obfuscated model: prompt metrics (aloepri.fidelity.compare) plus perplexity on real text.
+"""Fidelity of an obfuscated model: prompt metrics (aloepri.runtime.fidelity.compare) plus perplexity on real text.
 
 Perplexity is measured on the same token ids for both models: the plaintext model reads the ids, the
 obfuscated model reads them mapped by the key, and its logits are mapped back before the log-softmax, so the
@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..fidelity import BUILTIN_PROMPTS, Fidelity, builtin_prompt_ids, compare
+from ..runtime.fidelity import BUILTIN_PROMPTS, Fidelity, builtin_prompt_ids, compare
 from ..keyfile import KeyFile
 
 DEFAULT_CORPUS = "debian-reference"
@@ -151,7 +151,7 @@ def fidelity_report(plain_model, obf_model, key: KeyFile, tokenizer, prompts: in
 def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, **kwargs) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from ..inference import load_plain_model, load_tokenizer
+    from ..runtime.inference import load_plain_model, load_tokenizer
     from ..keyfile import check_key_matches, load_key
 
     key = load_key(key_path)

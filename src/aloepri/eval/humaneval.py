@@ -256,17 +256,12 @@ def summarize(results: dict[str, dict]) -> dict:
 
 def load_runner(label: str, src: str | Path, server_dir: str | Path | None = None, key_path: str | Path | None = None,
                 dtype: torch.dtype = torch.float32) -> Runner:
-    """Plaintext runner (``server_dir`` None) or obfuscated runner through aloepri.inference.PrivateModel."""
-    from ..inference import PrivateModel, load_plain_model, load_tokenizer
+    """Plaintext runner (``server_dir`` None) or obfuscated runner through aloepri.runtime.inference.PrivateModel."""
+    from ..runtime.inference import PrivateModel, load_hf_tokenizer, load_plain_model, load_tokenizer
     from ..keyfile import load_key
 
     if server_dir is None:
-        from transformers import AutoTokenizer
-
-        p = Path(src)
-        tok = (AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name) if p.is_file()
-               else AutoTokenizer.from_pretrained(str(p)))
-        return Runner(label, load_plain_model(src, dtype), tok)
+        return Runner(label, load_plain_model(src, dtype), load_hf_tokenizer(src))
     if key_path is None:
         raise ValueError("an obfuscated model needs its client key (--key)")
     key = load_key(key_path)

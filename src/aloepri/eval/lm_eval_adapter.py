@@ -42,7 +42,7 @@ class AloePriLM(TemplateLM):
                  max_gen_toks: int = 256, dtype: str = "float32", verify_fingerprint: Any = True,
                  batch_size: Any = 1, device: str = "cpu", **unused: Any) -> None:
         super().__init__()
-        from ..inference import PrivateModel
+        from ..runtime.inference import PrivateModel
 
         pm = PrivateModel(key, server_dir, tokenizer=tokenizer, dtype=getattr(torch, str(dtype)),
                           verify_fingerprint=_as_bool(verify_fingerprint))

