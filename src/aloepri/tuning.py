@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .params import ObfuscationParams
+from .obfuscation.params import ObfuscationParams
 
 # Attacks used when none are named: every registered attack that needs no training run (the trained ones, IMA
 # and SDA, are minutes each even at small budgets; name them explicitly to include them). "behavioural" (run both
@@ -135,8 +135,8 @@ class Evaluator:
         if self._plain is not None:
             return
         from .attacks.data import private_prompts
-        from .fidelity import builtin_prompt_ids
-        from .inference import load_plain_model
+        from .runtime.fidelity import builtin_prompt_ids
+        from .runtime.inference import load_plain_model
 
         self._plain = load_plain_model(self.src)
         from transformers import AutoTokenizer
@@ -151,9 +151,9 @@ class Evaluator:
         """Obfuscate with ``params``/``seed``, then fidelity and every attack on that output."""
         from transformers import AutoModelForCausalLM
 
-        from . import obfuscate
+        from .obfuscation.pipeline import obfuscate
         from .attacks import REGISTRY, AttackTarget, Budget
-        from .fidelity import compare
+        from .runtime.fidelity import compare
         from .keyfile import load_key
 
         self._prepare()
@@ -295,7 +295,7 @@ def add_tune_commands(sub) -> None:
 
 
 def _cmd_tune(a) -> int:
-    from .params import resolve_params
+    from .obfuscation.params import resolve_params
 
     if a.max_kl is None and a.min_top1 is None:
         raise ValueError("give an accuracy budget: --max-kl and/or --min-top1")

@@ -14,7 +14,7 @@ def private_data(tokenizer, n: int, seed: int) -> PrivateData:
     try:
         from .data import private_prompts
     except ImportError:  # pragma: no cover - data.py ships with the package; kept for partial installs
-        from ..fidelity import BUILTIN_PROMPTS
+        from ..runtime.fidelity import BUILTIN_PROMPTS
 
         texts = (BUILTIN_PROMPTS * (n // len(BUILTIN_PROMPTS) + 1))[:n]
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -40,7 +40,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
     context: dict[str, Any] = {"plain": str(args.plain), "obfuscated": str(args.obfuscated), "budget": args.budget,
                                "prompts": args.prompts, "seed": args.seed, "attacks": names}
     if args.ablation:
-        from ..params import ObfuscationParams, resolve_params
+        from ..obfuscation.params import ObfuscationParams, resolve_params
 
         base = resolve_params(args.ablation_preset) if args.ablation_preset else \
             ObfuscationParams.from_dict(target.key.params)

@@ -143,7 +143,7 @@ def run_ablation(plain_src: str | Path, base_params, work_dir: str | Path, data_
                  names: Sequence[str] | str, budget: Budget | str, seed: int = 0,
                  log: Callable[[str], None] | None = print) -> list[AblationRow]:
     """Obfuscate ``plain_src`` once per ablation row (into work_dir/<row>) and run the attacks on each."""
-    from .. import obfuscate
+    from ..obfuscation.pipeline import obfuscate
 
     rows = []
     for i, (row, params) in enumerate(ablation_params(base_params).items()):

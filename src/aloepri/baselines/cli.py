@@ -47,7 +47,7 @@ def cmd_baseline(a: argparse.Namespace) -> int:
     import torch
 
     from ..attacks.cli import private_data
-    from ..inference import load_plain_model
+    from ..runtime.inference import load_plain_model
     from .harness import fidelity, make_method, privacy, user_content_prompts
     from .token_substitution import fresh_seed
 

@@ -99,7 +99,7 @@ def privacy(method, model, tokenizer, data, seed: int, budget: str = "small", te
 def user_content_prompts(tokenizer, n: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(chat-templated ids, positions of the user's text) for the built-in fidelity prompts."""
     from ..eval.perturb import content_span
-    from ..fidelity import BUILTIN_PROMPTS
+    from ..runtime.fidelity import BUILTIN_PROMPTS
 
     out = []
     for p in BUILTIN_PROMPTS[:n] if n else BUILTIN_PROMPTS:
@@ -111,7 +111,7 @@ def user_content_prompts(tokenizer, n: int | None = None) -> list[tuple[list[int
 @torch.no_grad()
 def fidelity(method, model, prompts: Sequence[tuple[list[int], list[int]]], seed: int) -> dict[str, Any]:
     """Top-1 agreement and mean KL(clean || perturbed) of the next-token distribution at every prompt position
-    (the same numbers aloepri.fidelity.compare reports for an obfuscated model), the agreement counted only from
+    (the same numbers aloepri.runtime.fidelity.compare reports for an obfuscated model), the agreement counted only from
     the first perturbed position on, and the token change rate."""
     agree = kl = changed = perturbed_positions = agree_after = 0.0
     n_pos = n_after = 0

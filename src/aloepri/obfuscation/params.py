@@ -188,9 +188,11 @@ PRESET_NOTES = {
     "(output-profile matching: 99.98% of the vocabulary, 100% of prompt tokens on SmolLM2)",
     "default": "all mechanisms on, noise reduced 10x for small models (top-1 0.91 on SmolLM2-135M); "
     "it does NOT hide the vocabulary permutation from weight matching (99.9% recovered on SmolLM2) nor from a "
-    "server that runs both models (99.96% of the vocabulary, 100% of prompt and PII tokens on SmolLM2)",
+    "server that runs both models (99.96% of the vocabulary, 100% of prompt and PII tokens on SmolLM2; 100% of "
+    "prompt tokens on Qwen2.5-Coder-0.5B)",
     "paper": "the paper's parameters (tuned for >= 8B models; destroys accuracy of small models: top-1 0.06 on "
-    "SmolLM2, where a server running both models still recovers 17% of prompt tokens)",
+    "SmolLM2) and still does NOT hide the vocabulary there: weight-matching pairs, then running both models, then a "
+    "ridge map recover 99.9% of prompt and PII tokens on SmolLM2",
 }
 
 

@@ -20,11 +20,11 @@ def load_tokenizer(key: KeyFile, tokenizer: Any = None):
     says the source checkpoint was; None when neither is available."""
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         return tokenizer
-    from transformers import AutoTokenizer
-
     if isinstance(tokenizer, (str, Path)):
         tok = load_hf_tokenizer(tokenizer)
     elif key.tokenizer:
+        from transformers import AutoTokenizer  # (transformers imports torch: only when a tokenizer is loaded)
+
         tok = AutoTokenizer.from_pretrained(**dict(key.tokenizer))
     else:
         return None
