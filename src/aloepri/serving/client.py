@@ -494,6 +494,7 @@ class ReplyDecoder:
         self.key, self.tokenizer = key, tokenizer
         self.eos = set(key.obfuscated_eos_ids())
         self.stop = [s for s in stop if s]
+        self.cut_by_stop_string = False  # the client ended the reply: the server would have gone on
         self.max_tokens = max_tokens
         self.server_ids: list[int] = []
         self.plain_ids: list[int] = []
@@ -556,7 +557,7 @@ class ReplyDecoder:
             if hits:
                 cut = min(hits)
                 self._final_text = text[:cut]
-                self.finish_reason = "stop"
+                self.finish_reason, self.cut_by_stop_string = "stop", True
                 out = text[start:cut] if cut > start else ""
                 self._released = max(start, cut)
                 return out
@@ -902,6 +903,7 @@ class ReplyState:
         self.upstream_stream = upstream_stream  # the server streams (events) rather than answering in one body
         self.usage: dict[str, Any] = {}
         self.ended = False  # no more events are needed
+        self._read_after_end = 0
         self.t0 = time.perf_counter()
 
     def on_body(self, body: bytes) -> Delta:
@@ -943,6 +945,14 @@ class ReplyState:
         """One unit of the answer (the whole body, or one event's data) -> the deltas to hand out."""
         delta = self.on_event(raw) if self.upstream_stream else self.on_body(raw)
         return [] if delta is None else [delta]
+
+    def read_on_after_end(self) -> bool:
+        """After the end, read on to the close of the body (a few events at most) unless the reply was cut by a
+        stop string: the server stops by itself on EOS and max_tokens, and a body read to its end leaves the
+        connection reusable, so the next reply on it need not be re-checked (UpstreamGuard). A stop string is
+        the client's own: closing the connection then is what stops the server generating."""
+        self._read_after_end += 1
+        return not self.decoder.cut_by_stop_string and self._read_after_end <= 4
 
     def end(self) -> list[Delta]:
         """The answer is over: what is still held back."""
@@ -1075,8 +1085,12 @@ class ReplyStream:
         try:
             with upstream_errors(st.stage):
                 for raw in self._raw():
+                    if st.ended:  # the server's [DONE] came: read its body to the close
+                        if st.read_on_after_end():
+                            continue
+                        break
                     yield from st.feed(raw)
-                    if st.ended:
+                    if st.ended and not st.read_on_after_end():
                         break
             yield from st.end()
         finally:
@@ -1256,9 +1270,13 @@ class AsyncReplyStream:
             with upstream_errors(st.stage):
                 async with aclosing(self._raw()) as raws:
                     async for raw in raws:
+                        if st.ended:  # the server's [DONE] came: read its body to the close
+                            if st.read_on_after_end():
+                                continue
+                            break
                         for delta in st.feed(raw):
                             yield delta
-                        if st.ended:
+                        if st.ended and not st.read_on_after_end():
                             break
             for delta in st.end():
                 yield delta
