@@ -117,3 +117,32 @@ def test_no_head_permutation_or_scaling_still_exact(tiny_dir, obfuscated):
     with rmsnorm_in_input_dtype():
         err = (_logits(plain, ids) - _logits(obf, torch.tensor([key.encode_ids(ids[0].tolist())]))[..., torch.from_numpy(key.permutation)]).abs().max()
     assert err <= 1e-9
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_outlier_dims_stay_exact_and_unmixed(arch, tiny_dir, obfuscated):
+    """outlier_dims: still exact, and each kept residual dimension reaches the server as one (scaled, signed)
+    coordinate of the obfuscated embedding instead of being spread over all of them."""
+    from aloepri.obfuscation.checkpoint import open_checkpoint
+    from aloepri.obfuscation.pipeline import massive_activation_dims
+
+    out, key = obfuscated(arch, outlier_dims=3)
+    plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    obf_ids = torch.tensor([key.encode_ids(r) for r in ids.tolist()])
+    with rmsnorm_in_input_dtype():
+        err = (_logits(plain, ids) - _logits(obf, obf_ids)[..., torch.from_numpy(key.permutation)]).abs().max()
+    assert err <= 1e-9, err
+
+    src = open_checkpoint(tiny_dir(arch))
+    kept = massive_activation_dims(src, plain.config.num_hidden_layers, 3)
+    e_p = plain.model.embed_tokens.weight.detach()
+    e_o = obf.model.embed_tokens.weight.detach()[torch.from_numpy(key.permutation)]
+    scale = (e_o.norm(dim=1) / e_p.norm(dim=1))[0]
+    for i in kept:  # column i of the plaintext embedding appears, up to sign and the scale, as one column
+        col = e_p[:, i] * scale
+        assert min(min((e_o[:, j] - col).abs().max(), (e_o[:, j] + col).abs().max())
+                   for j in range(e_o.shape[1])) < 1e-9, i
+    other = next(i for i in range(e_p.shape[1]) if i not in kept)
+    col = e_p[:, other] * scale
+    assert min((e_o[:, j] - col).abs().max() for j in range(e_o.shape[1])) > 1e-3  # the rest is mixed

@@ -45,6 +45,7 @@ class KeyBase:
     c_basis: np.ndarray  # (h, k): rows of C live in span(c_basis), so C @ F = 0
     d_basis: np.ndarray  # (h, k): columns of D live in span(d_basis), so E @ D = 0
     scale: float  # sqrt((d+2h)/d): keeps the RMS of the expanded state equal to the plaintext RMS
+    kept: tuple = ()  # residual dims mapped to single signed coordinates (see init_key_base)
 
     @property
     def d(self) -> int:
@@ -55,10 +56,18 @@ class KeyBase:
         return self.E.shape[1]
 
 
-def init_key_base(rng: np.random.Generator, d: int, h: int, lam: float, e_scale: float = 1.0) -> KeyBase:
-    """Algorithm 1, INIT(d, h, lambda). ``e_scale`` multiplies E (1 = the paper; 0 = no E energy)."""
+def init_key_base(rng: np.random.Generator, d: int, h: int, lam: float, e_scale: float = 1.0,
+                  kept: tuple = ()) -> KeyBase:
+    """Algorithm 1, INIT(d, h, lambda). ``e_scale`` multiplies E (1 = the paper; 0 = no E energy).
+
+    ``kept``: residual dimensions that P maps to one signed coordinate each (at a random place) instead of mixing
+    them into all d+2h. Massive-activation dimensions need it for bf16 serving: rounding error is relative to a
+    value's size, and a rotation spreads a few huge values over every coordinate (docs/serving.md, bf16). B, E, F,
+    C, D and Z become block-structured around those dimensions; P Q = I holds as before."""
     if h % 2:
         raise ValueError("h must be even")
+    if kept:
+        return _init_key_base_keeping(rng, d, h, lam, e_scale, tuple(sorted(int(i) for i in kept)))
     std = 1.0 / np.sqrt(d)
     U = haar_orthogonal(rng, d)
     V = rng.normal(0.0, std, (d, d))
@@ -76,6 +85,38 @@ def init_key_base(rng: np.random.Generator, d: int, h: int, lam: float, e_scale:
     return KeyBase(B=B, B_inv=B_inv, E=E, F=F, Z=Z, c_basis=c_basis, d_basis=d_basis, scale=float(np.sqrt((d + 2 * h) / d)))
 
 
+def _init_key_base_keeping(rng: np.random.Generator, d: int, h: int, lam: float, e_scale: float,
+                           kept: tuple) -> KeyBase:
+    """INIT with ``kept`` dimensions outside the mixing: row i of P = s [B C E] Z is +-s at one column j_i.
+    B is block-diagonal (signs on kept, U + lam V on the rest), E and C have zero rows and F and D zero columns
+    at kept, and Z sends kept to random columns and rotates everything else among the remaining ones."""
+    if len(set(kept)) != len(kept) or not all(0 <= i < d for i in kept) or len(kept) >= d:
+        raise ValueError(f"kept dimensions must be distinct and in [0, {d}), fewer than {d}")
+    K = np.asarray(kept)
+    R = np.setdiff1d(np.arange(d), K)
+    width = d + 2 * h
+    std = 1.0 / np.sqrt(d)
+    signs = rng.choice([-1.0, 1.0], size=len(K))
+    B_rr = haar_orthogonal(rng, len(R)) + lam * rng.normal(0.0, std, (len(R), len(R)))
+    B, B_inv = np.zeros((d, d)), np.zeros((d, d))
+    B[np.ix_(R, R)], B_inv[np.ix_(R, R)] = B_rr, np.linalg.inv(B_rr)
+    B[K, K] = B_inv[K, K] = signs
+    E = (rng.normal(0.0, std, (d, h // 2)) @ rng.normal(0.0, std, (h // 2, h))) * e_scale
+    E[K] = 0.0
+    F1 = rng.normal(0.0, std, (h, h // 2))
+    F = F1 @ rng.normal(0.0, std, (h // 2, d))
+    F[:, K] = 0.0
+    targets = rng.choice(width, size=len(K), replace=False)
+    Z = np.zeros((width, width))
+    Z[K, targets] = 1.0
+    Z[np.ix_(np.setdiff1d(np.arange(width), K), np.setdiff1d(np.arange(width), targets))] = \
+        haar_orthogonal(rng, width - len(K))
+    c_basis = null_space_basis(F1.T)
+    d_basis = null_space_basis(E) if e_scale > 0 else np.eye(h)
+    return KeyBase(B=B, B_inv=B_inv, E=E, F=F, Z=Z, c_basis=c_basis, d_basis=d_basis,
+                   scale=float(np.sqrt(width / d)), kept=kept)
+
+
 def sample_C(rng: np.random.Generator, base: KeyBase, c_scale: float) -> np.ndarray:
     """KeyMatGen's C (d x h) with C F = 0. Energy: c_scale times E's expected energy ||E||_F^2 = h^2/(2d)."""
     d, h = base.d, base.h
@@ -83,7 +124,9 @@ def sample_C(rng: np.random.Generator, base: KeyBase, c_scale: float) -> np.ndar
     if c_scale == 0 or k == 0:
         return np.zeros((d, h))
     std = np.sqrt(c_scale * (h * h / (2.0 * d)) / (d * k))
-    return rng.normal(0.0, std, (d, k)) @ base.c_basis.T
+    C = rng.normal(0.0, std, (d, k)) @ base.c_basis.T
+    C[list(base.kept)] = 0.0
+    return C
 
 
 def sample_D(rng: np.random.Generator, base: KeyBase) -> np.ndarray:
@@ -91,7 +134,9 @@ def sample_D(rng: np.random.Generator, base: KeyBase) -> np.ndarray:
     d, h = base.d, base.h
     k = base.d_basis.shape[1]
     std = np.sqrt((h * h / (2.0 * d)) / (d * k))
-    return base.d_basis @ rng.normal(0.0, std, (k, d))
+    D = base.d_basis @ rng.normal(0.0, std, (k, d))
+    D[:, list(base.kept)] = 0.0
+    return D
 
 
 def key_matrix(base: KeyBase, C: np.ndarray) -> np.ndarray:

@@ -39,6 +39,11 @@ class ObfuscationParams:
                        row norm over the mean); same total noise energy (docs/accuracy.md measures them)
     router_normalize   MoE: scale every expert's router vector to unit norm before permuting (the paper's text).
                        It changes which experts are chosen (docs/moe-mla.md), so it is off: the exact variant
+    outlier_dims       residual dimensions (the massive-activation ones, found from the public weights: largest
+                       down_proj rows) that the key maps to one signed coordinate each at a random place instead of
+                       mixing them into all: keeps bf16 rounding of the residual stream as in plaintext (docs/
+                       serving.md, bf16). The server then sees those few coordinates' values, which are a known
+                       property of the public model (docs/security.md, "Outlier dimensions"). 0 = mix everything
     """
 
     alpha_e: float = 0.0
@@ -58,6 +63,7 @@ class ObfuscationParams:
     head_permutation: bool = True
     router_normalize: bool = False
     noise_shape: str = "isotropic"
+    outlier_dims: int = 0
 
     def __post_init__(self) -> None:
         problems = [_field_type_problem(f.name, f.type, getattr(self, f.name)) for f in fields(self)]
@@ -107,6 +113,7 @@ MAX_H = 1 << 15
 MAX_SCALE_RANGE = 1e3
 MAX_GAMMA = 1e6
 MAX_NOISE = 1e3
+MAX_OUTLIER_DIMS = 64  # a handful is what massive activations need; more would expose a real share of the state
 _CHOICES = {"kappa_mode": ("isotropic", "embedding"), "noise_shape": ("isotropic", "column", "row"),
             "vo_mixing": ("conditioned", "gaussian")}
 
@@ -159,6 +166,8 @@ def _range_problems(p: "ObfuscationParams") -> list[str]:
             problems.append(str(e))
     if p.h < 2 or p.h % 2 or p.h > MAX_H:
         problems.append(f"h must be an even integer in [2, {MAX_H}] (got {p.h})")
+    if not 0 <= p.outlier_dims <= MAX_OUTLIER_DIMS:
+        problems.append(f"outlier_dims must be an integer in [0, {MAX_OUTLIER_DIMS}] (got {p.outlier_dims})")
     if p.beta < 1:
         problems.append("beta must be >= 1 (1 disables block permutation)")
     return problems

@@ -187,7 +187,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     out_dtype = _DTYPES[dtype]
     check_key_matrix_memory(shape, params)
 
-    secrets = SecretSampler(seed, params, shape)
+    outliers = massive_activation_dims(source, shape.num_layers, params.outlier_dims) if params.outlier_dims else ()
+    secrets = SecretSampler(seed, params, shape, outliers)
     vocab_perm = secrets.vocab_permutation()
     D = secrets.hidden_size
     flops = 0.0
@@ -261,6 +262,23 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         raise
     publish_key(staged_key, key_out)  # after the model: a key in place always has its model
     return ObfuscationResult(out, key_out, fingerprint, D, secrets.h, time.perf_counter() - t0, writer.total_bytes, flops)
+
+
+def massive_activation_dims(source: SourceCheckpoint, num_layers: int, count: int) -> tuple:
+    """The ``count`` residual dimensions with the largest feed-forward output rows, summed over layers: where the
+    massive activations are written (on SmolLM2 the top three are the residual stream's three largest dimensions,
+    one of which holds 98% of its mean square over a chat prompt). Public weights only: the server can compute the
+    same list, so choosing by it reveals nothing the public model does not."""
+    if not source.has("down", 0):
+        raise CheckpointError("outlier_dims needs a dense feed-forward (down_proj) to find the massive-activation "
+                              "dimensions; use outlier_dims=0 for this model")
+    energy = None
+    for i in range(num_layers):
+        rows = source.get("down", i).pow(2).sum(dim=1)
+        energy = rows if energy is None else energy + rows
+    if count >= energy.numel():
+        raise ValueError(f"outlier_dims={count} must be smaller than the hidden size {energy.numel()}")
+    return tuple(sorted(int(i) for i in torch.argsort(energy, descending=True)[:count]))
 
 
 def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: SecretSampler, i: int,

@@ -85,10 +85,15 @@ def expert_order(seed: int, layer: int, num_experts: int, groups: int = 1) -> np
 class SecretSampler:
     """All secrets of one (seed, params, shape). Calling a method twice returns the same secret."""
 
-    def __init__(self, seed: int, params: ObfuscationParams, shape: ModelShape):
+    def __init__(self, seed: int, params: ObfuscationParams, shape: ModelShape, outlier_dims: tuple = ()):
+        """``outlier_dims``: the residual dimensions kept out of the key's mixing (params.outlier_dims of them,
+        chosen from the weights by :func:`aloepri.obfuscation.pipeline.massive_activation_dims`)."""
         self.seed, self.params, self.shape = int(seed), params, shape
+        if len(outlier_dims) != params.outlier_dims:
+            raise ValueError(f"params ask for {params.outlier_dims} outlier dimensions, {len(outlier_dims)} given")
         self.h = effective_h(shape.d, params.h, shape.num_heads)
-        self.base = keymat.init_key_base(self.rng("base"), shape.d, self.h, params.lam, params.e_scale)
+        self.base = keymat.init_key_base(self.rng("base"), shape.d, self.h, params.lam, params.e_scale,
+                                         kept=tuple(outlier_dims))
         self._shared_P = keymat.key_matrix(self.base, keymat.sample_C(self.rng("C", "shared"), self.base, params.c_scale))
         self._Q_common: np.ndarray | None = None
         self._P_common: np.ndarray | None = None
