@@ -119,7 +119,7 @@ def test_no_head_permutation_or_scaling_still_exact(tiny_dir, obfuscated):
     assert err <= 1e-9
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "mixtral"])
 def test_outlier_dims_stay_exact_and_unmixed(arch, tiny_dir, obfuscated):
     """outlier_dims: still exact, and each kept residual dimension reaches the server as one (scaled, signed)
     coordinate of the obfuscated embedding instead of being spread over all of them."""
@@ -146,3 +146,4 @@ def test_outlier_dims_stay_exact_and_unmixed(arch, tiny_dir, obfuscated):
     other = next(i for i in range(e_p.shape[1]) if i not in kept)
     col = e_p[:, other] * scale
     assert min((e_o[:, j] - col).abs().max() for j in range(e_o.shape[1])) > 1e-3  # the rest is mixed
+

@@ -267,18 +267,27 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
 def massive_activation_dims(source: SourceCheckpoint, num_layers: int, count: int) -> tuple:
     """The ``count`` residual dimensions with the largest feed-forward output rows, summed over layers: where the
     massive activations are written (on SmolLM2 the top three are the residual stream's three largest dimensions,
-    one of which holds 98% of its mean square over a chat prompt). Public weights only: the server can compute the
-    same list, so choosing by it reveals nothing the public model does not."""
-    if not source.has("down", 0):
-        raise CheckpointError("outlier_dims needs a dense feed-forward (down_proj) to find the massive-activation "
-                              "dimensions; use outlier_dims=0 for this model")
+    one of which holds 98% of its mean square over a chat prompt). MoE layers count their shared expert, or their
+    routed experts when they have none. Public weights only: the server can compute the same list,
+    so choosing by it reveals nothing the public model does not."""
     energy = None
     for i in range(num_layers):
-        rows = source.get("down", i).pow(2).sum(dim=1)
+        role = next((r for r in ("down", "shared_down") if _has_role(source, r, i)), None)
+        if role is not None:
+            rows = source.get(role, i).pow(2).sum(dim=1)
+        else:  # routed experts only (Mixtral): their down projections, a third of the layer's weights
+            rows = sum(source.get("expert_down", i, expert=e).pow(2).sum(dim=1) for e in range(source.num_experts))
         energy = rows if energy is None else energy + rows
     if count >= energy.numel():
         raise ValueError(f"outlier_dims={count} must be smaller than the hidden size {energy.numel()}")
     return tuple(sorted(int(i) for i in torch.argsort(energy, descending=True)[:count]))
+
+
+def _has_role(source: SourceCheckpoint, role: str, layer: int) -> bool:
+    try:
+        return source.has(role, layer)
+    except CheckpointError:  # the architecture has no such role at all
+        return False
 
 
 def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: SecretSampler, i: int,
