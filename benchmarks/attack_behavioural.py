@@ -21,7 +21,7 @@ import aloepri
 import attack_tables  # same directory: shared target building and resumable JSON writing
 from aloepri.attacks import REGISTRY
 from aloepri.attacks.base import AttackTarget, Budget
-from aloepri.attacks.behavioural import run_behavioural
+from aloepri.attacks.behavioural import run_behavioural, run_composed
 from aloepri.attacks.cli import private_data
 
 RESULTS = Path(__file__).parent / "results" / "attack_behavioural.json"
@@ -29,6 +29,10 @@ ATTACKS = ["behavioural", "behavioural-composed"]
 # not a registered attack: `behavioural` with no chat-template pairs (anchors = the published special ids only),
 # to measure how much the template bootstrap matters
 NO_TEMPLATE = "behavioural-specials-only"
+# --reduced: one output-profile round (the `small` budget's first, 96 x 16 contexts) and no input-side re-ranking,
+# for runs that would not finish otherwise (Qwen's 151,936-token vocabulary on a loaded 2-core machine); stored
+# under the budget key "<budget>-reduced" so it never mixes with full-budget rows
+REDUCED = {"round_seqs": (96,), "rerank_ids": 0}
 
 
 def target_params(target: str):
@@ -111,6 +115,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "aloepri-behavioural"))
+    ap.add_argument("--reduced", action="store_true", help=f"reduced budget {REDUCED} (key '<budget>-reduced')")
     ap.add_argument("--print", action="store_true", help="only print the Markdown table of the stored results")
     a = ap.parse_args()
     if a.print:
@@ -124,11 +129,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     budget = Budget.named(a.budget)
     budget.threads = a.threads
+    config = dict(REDUCED) if a.reduced else None
+    bkey = f"{a.budget}-reduced" if a.reduced else a.budget
     for model in a.models:
         src = attack_tables.model_src(model)
         plain = None
         for target in a.targets:
-            todo = [n for n in a.attacks if f"{model}/{target}/{n}/{a.budget}" not in store]
+            todo = [n for n in a.attacks if f"{model}/{target}/{n}/{bkey}" not in store]
             fkey = f"{model}/{target}/fidelity/-"
             need_fidelity = target != "permutation-only" and fkey not in store
             if not todo and not need_fidelity:
@@ -148,22 +155,25 @@ def main() -> None:
                 print(f"  fidelity {store[fkey]}", flush=True)
             for name in todo:
                 t0 = time.perf_counter()
-                print(f"{model}/{target}/{name}/{a.budget} ...", flush=True)
+                print(f"{model}/{target}/{name}/{bkey} ...", flush=True)
                 try:
                     if name == NO_TEMPLATE:  # ablation of the bootstrap: published special ids only
-                        res = run_behavioural(t, data, budget, 0, template=([], []))[0]
-                    else:
+                        res = run_behavioural(t, data, budget, 0, template=([], []), config=config)[0]
+                    elif config is None:
                         res = REGISTRY[name](t, data, budget, 0)
+                    elif name == "behavioural":
+                        res = run_behavioural(t, data, budget, 0, config=config)[0]
+                    else:
+                        res = run_composed(t, data, budget, 0, config=config)
                     res.attack = name
                     entry = res.to_dict()
                 except Exception as err:  # noqa: BLE001 - recorded, not hidden
-                    entry = {"attack": name, "ttrsr": None, "piirsr": None,
-                             "metrics": {"error": f"{type(err).__name__}: {err}"}, "budget": {}, "uses": "",
-                             "seconds": time.perf_counter() - t0}
+                    entry = attack_tables.failed_entry(name, err, t0)
                 entry["target_params"] = None if target == "permutation-only" else target_params(target).to_dict()
-                store = save_entry(f"{model}/{target}/{name}/{a.budget}", entry)
-                print(f"  TTRSR {entry['ttrsr']} PIIRSR {entry['piirsr']} vocab "
-                      f"{entry['metrics'].get('vocab_recovery')} ({entry['seconds']:.0f} s)", flush=True)
+                if config is not None:
+                    entry["budget"]["reduced"] = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+                store = save_entry(f"{model}/{target}/{name}/{bkey}", entry)
+                attack_tables.print_entry(entry)
             del t
     print(render(store))
 

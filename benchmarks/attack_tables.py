@@ -52,16 +52,17 @@ def target_params(target: str):
     raise ValueError(f"unknown target {target}")
 
 
-def build_target(src: Path, target: str, work: Path, seed: int, plain_model, params_fn=None) -> AttackTarget:
-    """``params_fn(target) -> ObfuscationParams`` (default ``target_params``) lets other benchmarks name targets."""
+def build_target(src: Path, target: str, work: Path, seed: int, plain_model, params_fn=None,
+                 **obfuscate_kwargs) -> AttackTarget:
+    """``params_fn(target) -> ObfuscationParams`` (default ``target_params``) lets other benchmarks name targets;
+    ``obfuscate_kwargs`` go to aloepri.obfuscate (e.g. noise_factors)."""
     if target == "permutation-only":
         return permutation_only_target(src, seed, plain_model)
     d = work / f"{src.stem}-{target}-s{seed}"
     if not (d / "model" / "config.json").exists():
         print(f"obfuscating {src.name} as {target}", flush=True)
         aloepri.obfuscate(src, d / "model", d / "key.json", (params_fn or target_params)(target), seed=seed,
-                          allow_weak_seed=True, overwrite=True,
-                          progress=False)
+                          allow_weak_seed=True, overwrite=True, progress=False, **obfuscate_kwargs)
     t = AttackTarget(src, d / "model", d / "key.json")
     t.plain_model = plain_model  # share the public model between targets (memory)
     return t
@@ -96,6 +97,18 @@ def render(store: dict) -> str:
                     for x in attacks) + " |")
             out.append("")
     return "\n".join(out)
+
+
+def failed_entry(name: str, err: Exception, t0: float) -> dict:
+    """A result row for an attack that raised: recorded with its error, never hidden."""
+    return {"attack": name, "ttrsr": None, "piirsr": None, "metrics": {"error": f"{type(err).__name__}: {err}"},
+            "budget": {}, "uses": "", "seconds": time.perf_counter() - t0}
+
+
+def print_entry(entry: dict) -> None:
+    m = entry["metrics"]
+    print(f"  TTRSR {entry['ttrsr']} PIIRSR {entry['piirsr']} vocab "
+          f"{m.get('vocab_recovery', m.get('vocab_recovery_sampled'))} ({entry['seconds']:.0f} s)", flush=True)
 
 
 def save_entry(key: str, entry: dict, path: Path = RESULTS) -> dict:

@@ -7,8 +7,13 @@ benchmarks/results/frontier_<model>.json through aloepri.tuning.ResultStore; sta
 arguments to use the second core. The plot (PNG) puts top-1 agreement on x and the highest TTRSR over the attacks
 on y, one series per swept parameter, like the paper's privacy-utility figure.
 
+The behavioural attacks (benchmarks/attack_behavioural.py, seed 1234, 50 prompts) are added to the plot and the
+table from results/attack_behavioural.json without recomputing anything: one series per behavioural attack at its own
+top-1 agreement (measured on the very output it attacked), and "worst of all attacks" for the frontier points whose
+parameters equal a behavioural target's (max of the weight attacks' TTRSR there and the behavioural TTRSRs).
+
 Usage: python benchmarks/frontier.py [--model smollm2|qwen-coder] [--budget small] [--sweeps alpha_e alpha_h lam]
-       python benchmarks/frontier.py --plot-only
+       python benchmarks/frontier.py --plot-only [--list]
 """
 from __future__ import annotations
 
@@ -45,6 +50,39 @@ def model_path(name: str) -> Path:
     return {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}[name]()
 
 
+BEHAVIOURAL = RESULTS / "attack_behavioural.json"
+BEHAVIOURAL_MODEL = {"smollm2": "smollm2", "qwen-coder": "qwen"}  # frontier name -> attack_behavioural.py name
+BEHAVIOURAL_ATTACKS = ("behavioural", "behavioural-composed")
+
+
+def behavioural_points(model: str, path: Path = BEHAVIOURAL) -> list[dict]:
+    """One dict per obfuscated target of attack_behavioural.json for this frontier model: target name, its
+    parameters, top-1 agreement of that same output, and TTRSR per behavioural attack (largest budget stored)."""
+    if not path.exists():
+        return []
+    store = json.loads(path.read_text())
+    name = BEHAVIOURAL_MODEL[model]
+    points: dict[str, dict] = {}
+    for key, e in store.items():
+        m, target, attack, budget = key.split("/")
+        if m != name or attack not in BEHAVIOURAL_ATTACKS or e.get("ttrsr") is None or not e.get("target_params"):
+            continue
+        fid = store.get(f"{m}/{target}/fidelity/-")
+        if fid is None:
+            continue
+        pt = points.setdefault(target, {"target": target, "params": e["target_params"],
+                                        "top1": fid["top1_agreement"], "attacks": {}, "budgets": {}})
+        order = ("ci", "small-reduced", "small", "full")
+        if attack not in pt["attacks"] or order.index(budget) > order.index(pt["budgets"][attack]):
+            pt["attacks"][attack], pt["budgets"][attack] = e["ttrsr"], budget
+    return sorted(points.values(), key=lambda p: -p["top1"])
+
+
+def matched_behavioural(entry: dict, points: list[dict]) -> dict | None:
+    """The behavioural point whose obfuscation parameters equal this frontier entry's (seeds differ: 1 vs 1234)."""
+    return next((p for p in points if p["params"] == entry["params"]), None)
+
+
 def plot(store_path: Path, png: Path) -> None:
     import matplotlib
 
@@ -61,11 +99,33 @@ def plot(store_path: Path, png: Path) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
         for x, y, v in pts:
             ax.annotate(str(v), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    model = store_path.stem.replace("frontier_", "")
+    beh = behavioural_points(model)
+    for attack, marker in zip(BEHAVIOURAL_ATTACKS, ("s", "^")):
+        # a reduced-budget row (attack_behavioural.py --reduced) is marked in its label
+        pts = sorted((p["top1"], p["attacks"][attack],
+                      p["target"] + (" (reduced)" if p["budgets"][attack].endswith("reduced") else ""))
+                     for p in beh if attack in p["attacks"])
+        if not pts:
+            continue
+        # the line joins the noise settings (alpha-X, default, exact); `paper` (another lam/alpha mix) is a lone marker
+        line = [p for p in pts if not p[2].startswith("paper")]
+        (h,) = ax.plot([p[0] for p in line], [p[1] for p in line], marker + "--", lw=1.2,
+                       label=f"{attack} (own output, seed 1234)")
+        lone = [p for p in pts if p[2].startswith("paper")]
+        ax.plot([p[0] for p in lone], [p[1] for p in lone], marker, color=h.get_color())
+        for x, y, t in pts:
+            ax.annotate(t, (x, y), fontsize=6, xytext=(3, -9), textcoords="offset points")
+    worst = sorted((e["fidelity"]["top1_agreement"], max([e["max_ttrsr"], *b["attacks"].values()]), b["target"])
+                   for e in data if e["max_ttrsr"] is not None and (b := matched_behavioural(e, beh)))
+    if worst:
+        ax.plot([p[0] for p in worst], [p[1] for p in worst], "kD:", lw=1.5, ms=5,
+                label="worst of weight + behavioural attacks (same params)")
     ax.set_xlabel("top-1 agreement with the plaintext model (utility)")
-    ax.set_ylabel("highest TTRSR over the attacks (privacy loss)")
+    ax.set_ylabel("TTRSR (privacy loss): highest over the weight attacks,\nor of the named attack")
     ax.set_title(f"privacy-utility frontier, {store_path.stem.replace('frontier_', '')}")
     ax.axhline(0.05, color="grey", lw=0.8, ls="--")
-    ax.legend(title="swept parameter", fontsize=8)
+    ax.legend(title="swept parameter / attack", fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -76,15 +136,22 @@ def table(store_path: Path) -> str:
     """Markdown table of the finished points: one row per setting, TTRSR per attack."""
     data = [e for e in json.loads(store_path.read_text()).values() if e.get("status") == "done"]
     attacks = sorted({a for e in data for a in e["attacks"]})
-    rows = ["| series | setting | top-1 | KL | " + " | ".join(f"{a} TTRSR" for a in attacks) + " | max |",
-            "|---|---|---|---|" + "---|" * (len(attacks) + 1)]
+    beh = behavioural_points(store_path.stem.replace("frontier_", ""))
+    extra = list(BEHAVIOURAL_ATTACKS) if beh else []
+    rows = ["| series | setting | top-1 | KL | " + " | ".join(f"{a} TTRSR" for a in attacks + extra) + " | max |"
+            + (" max incl. behavioural |" if beh else ""),
+            "|---|---|---|---|" + "---|" * (len(attacks) + len(extra) + 1 + bool(beh))]
     for e in sorted(data, key=lambda e: (e["label"], str(e["params"].get(SERIES_X.get(e["label"], e["label"]))))):
         p = e["params"]
         x = SERIES_X.get(e["label"], e["label"])
         cells = [f"{e['attacks'][a]['ttrsr']:.3f}" if a in e["attacks"] and e["attacks"][a]["ttrsr"] is not None
                  else "-" for a in attacks]
+        b = matched_behavioural(e, beh)
+        b_ttrsr = [b["attacks"].get(a) if b else None for a in extra]
+        cells += ["-" if t is None else f"{t:.3f}" for t in b_ttrsr]
+        worst = "" if not beh else (" -" if b is None else f" {max([e['max_ttrsr'], *b['attacks'].values()]):.3f}") + " |"
         rows.append(f"| {e['label']} | {x}={p[x]} | {e['fidelity']['top1_agreement']:.3f} | "
-                    f"{e['fidelity']['mean_kl']:.4f} | " + " | ".join(cells) + f" | {e['max_ttrsr']:.3f} |")
+                    f"{e['fidelity']['mean_kl']:.4f} | " + " | ".join(cells) + f" | {e['max_ttrsr']:.3f} |" + worst)
     return "\n".join(rows)
 
 

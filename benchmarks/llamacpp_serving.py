@@ -65,30 +65,42 @@ class Server:
                     "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
                     "--type_k", "0", "--type_v", "0", "--use_mlock", "False", "--verbose", "True",
                     "--host", "127.0.0.1", "--port", str(self.port)]
+        self.env: dict | None = None  # subclasses serving other engines set their own command and environment
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180) -> "Server":
+        """Own process group (an engine's workers stop with it); ready once /v1/models answers."""
         self._f = open(self.log, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        self.proc = subprocess.Popen(self.cmd, stdout=self._f, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(f"{self.cmd[2]} exited: {self.log.read_text(errors='replace')[-3000:]}")
             try:
                 if httpx2.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    self.start_seconds = time.monotonic() - t0
                     return self
             except httpx2.TransportError:
                 time.sleep(0.3)
-        raise RuntimeError(f"llama_cpp.server did not come up: {self.log.read_text()[-2000:]}")
+        self.stop()
+        raise RuntimeError(f"{self.cmd[2]} did not come up: {self.log.read_text(errors='replace')[-3000:]}")
 
     def stop(self) -> None:
+        import signal
+
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # workers outliving their parent
+            except (ProcessLookupError, PermissionError):
+                pass
         self._f.close()
 
     def perf(self) -> list[dict]:

@@ -1,42 +1,135 @@
-"""Obfuscation wall time, achieved GFLOP/s against a plain float64 matmul on this machine, and peak RSS.
+"""Obfuscation wall time and achieved GFLOP/s against this machine's float64 matmul roofline, measured in the same
+process, with the same thread count and dtype, interleaved with the obfuscation; peak RSS; time per phase.
 
-Each model is obfuscated in a fresh subprocess so its peak RSS is its own. The matmul reference runs in the
-same invocation, so the ratio is measured side by side. Results: benchmarks/results/obfuscation_perf.json
-Usage: python benchmarks/obfuscation_perf.py [--models smollm2 qwen-coder] [--preset default]
+FLOPs counted: only the weight products of the method, 2 * rows * d * D for every reader (W Q^T) and writer (P^T W)
+product, including the embedding and the head (ObfuscationResult.flops). Not counted: key generation (QR,
+inverses, the per-reader Q), the per-head dh x dh maps, noise, dequantization, hashing, writing -- those are
+overhead the ratio has to absorb, so the fraction is of the WHOLE obfuscation wall time.
+
+Roofline: a float64 (2048 x 2048) @ (2048 x 2048) torch matmul with the same torch thread count, run in the child
+process before the obfuscation, after it, before the embedding and the head and between decoder layers (every
+``--probe-every`` layers; the probes' time is taken out of the obfuscation's wall time). The machine is shared, so the probes sample the same load the
+obfuscation sees; the fraction uses their mean rate.
+
+Each model is obfuscated in a fresh subprocess so its peak RSS is its own. Results are resumable: one entry per
+(label, model) in benchmarks/results/obfuscation_perf.json; an existing entry is kept unless --force.
+Usage: python benchmarks/obfuscation_perf.py --label after [--models smollm2 qwen-coder] [--preset default]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+RESULTS = Path(__file__).parent / "results" / "obfuscation_perf.json"
+
 CHILD = r"""
-import json, sys, time, resource, torch
+import json, os, sys, time, torch
 from pathlib import Path
+import aloepri.obfuscation.pipeline as pipeline
+import aloepri.obfuscation.blocks as blocks
+import aloepri.obfuscation.checkpoint as checkpoint
+from aloepri.obfuscation.secrets import SecretSampler
 from aloepri import obfuscate, resolve_params
 from aloepri.models import smollm2_gguf, qwen25_coder_05b_gguf
-torch.set_num_threads(int(sys.argv[4]))
+
+threads, probe_every = int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(threads)
 src = {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}.get(sys.argv[1], lambda: Path(sys.argv[1]))()
+
+N = 2048
+_a, _b = torch.randn(N, N, dtype=torch.float64), torch.randn(N, N, dtype=torch.float64)
+_c = torch.empty(N, N, dtype=torch.float64)
+torch.matmul(_a, _b, out=_c)  # warm-up
+probes = []  # (seconds, GFLOP/s)
+
+def probe(reps=1):
+    t = time.perf_counter()
+    for _ in range(reps):
+        torch.matmul(_a, _b, out=_c)
+    dt = time.perf_counter() - t
+    probes.append((dt, 2.0 * N**3 * reps / dt / 1e9))
+    return dt
+
+# --- exclusive per-phase timers: time goes to the innermost wrapped call ---
+phase = {}
+stack = []
+def timed(name, fn):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        if stack:  # pause the enclosing phase
+            outer, t_outer = stack[-1]
+            phase[outer] = phase.get(outer, 0.0) + t - t_outer
+        stack.append([name, t])
+        try:
+            return fn(*a, **k)
+        finally:
+            t2 = time.perf_counter()
+            _, t_in = stack.pop()
+            phase[name] = phase.get(name, 0.0) + t2 - t_in
+            if stack:
+                stack[-1][1] = t2
+    return wrapper
+
+pipeline.open_checkpoint = timed("parse_source", pipeline.open_checkpoint)
+for cls in (checkpoint.GGUFCheckpoint, checkpoint.SafetensorsCheckpoint):
+    cls.get = timed("read_dequantize", cls.get)
+    cls.validate = timed("parse_source", cls.validate)
+for m in ("__init__", "writer_P", "reader_Q", "attention", "ffn", "mla", "kappa", "vocab_permutation", "expert_order"):
+    setattr(SecretSampler, m, timed("key_generation", getattr(SecretSampler, m)))
+pipeline.fingerprint_update = timed("hash", pipeline.fingerprint_update)
+checkpoint.ShardedWriter.add = timed("write", checkpoint.ShardedWriter.add)
+checkpoint.ShardedWriter.finish = timed("write", checkpoint.ShardedWriter.finish)
+probe_seconds = [0.0]
+
+def probed_before(fn):  # a roofline probe before each vocabulary matrix too: the load changes within a run
+    def run(*a, **k):
+        probe_seconds[0] += probe()
+        return fn(*a, **k)
+    return run
+
+pipeline.obfuscate_embedding = probed_before(timed("vocab_products_noise", pipeline.obfuscate_embedding))
+pipeline.obfuscate_head = probed_before(timed("vocab_products_noise", pipeline.obfuscate_head))
+for f in ("obfuscate_attention", "obfuscate_mlp", "obfuscate_mla", "obfuscate_router", "pad_attention_heads",
+          "transform_reader_input"):
+    setattr(blocks, f, timed("layer_products", getattr(blocks, f)))
+
+layer_fn = pipeline._obfuscate_layer
+def layer_with_probe(source, writer, secrets, i, *rest):
+    if probe_every and i % probe_every == probe_every - 1:
+        probe_seconds[0] += probe()
+    return layer_fn(source, writer, secrets, i, *rest)
+pipeline._obfuscate_layer = layer_with_probe
+
 def vm_hwm_kib():
     # VmHWM belongs to this process image (reset by exec); ru_maxrss would inherit the parent's high-water mark
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
+
+for _ in range(2):
+    probe()
 rss_before = vm_hwm_kib()
+load_before = os.getloadavg()[0]
 t = time.perf_counter()
 res = obfuscate(src, Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", resolve_params(sys.argv[3]), seed=1,
-                allow_weak_seed=True,
-                overwrite=True, progress=False)
-wall = time.perf_counter() - t
+                allow_weak_seed=True, overwrite=True, progress=False)
+wall = time.perf_counter() - t - probe_seconds[0]
+for _ in range(2):
+    probe()
+phase["layer_products"] = phase.get("layer_products", 0.0)  # probes ran inside no phase
+phase["other"] = wall - sum(phase.values())
+rates = [r for _, r in probes]
 print(json.dumps({"src": src.name, "src_bytes": src.stat().st_size, "wall_seconds": wall, "flops": res.flops,
                   "output_bytes": res.bytes_written, "hidden_size": res.hidden_size, "h": res.h,
-                  "rss_before_kib": rss_before, "peak_rss_kib": vm_hwm_kib()}))
+                  "rss_before_kib": rss_before, "peak_rss_kib": vm_hwm_kib(), "phase_seconds": phase,
+                  "roofline_probe_gflops": rates, "loadavg_1min": [load_before, os.getloadavg()[0]],
+                  "torch_threads": torch.get_num_threads()}))
 """
 
 
@@ -74,49 +167,71 @@ def synthetic_checkpoint(directory: Path, layers: int = 40, d: int = 1024, f: in
     return directory
 
 
-def matmul_gflops(threads: int, n: int = 2048, reps: int = 3) -> float:
-    import torch
+def git_revision() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "src/aloepri/obfuscation"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent.parent).stdout.strip()
+        return head + ("+uncommitted obfuscation changes" if dirty else "")
+    except OSError:
+        return "unknown"
 
-    torch.set_num_threads(threads)
-    a = torch.randn(n, n, dtype=torch.float64)
-    b = torch.randn(n, n, dtype=torch.float64)
-    a @ b
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2.0 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+def run_model(model: str, preset: str, threads: int, probe_every: int) -> dict:
+    with tempfile.TemporaryDirectory() as work:
+        if model == "synthetic-deep":  # memory follows one layer, not the model
+            model = str(synthetic_checkpoint(Path(work) / "src"))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   OPENBLAS_NUM_THREADS=str(threads))
+        proc = subprocess.run([sys.executable, "-c", CHILD, model, work, preset, str(threads), str(probe_every)],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode:
+            raise SystemExit(f"{model}: obfuscation failed:\n{proc.stderr[-3000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+    rates = sorted(r["roofline_probe_gflops"])
+    r["roofline_gflops"] = sum(rates) / len(rates)
+    r["roofline_gflops_min_max"] = [rates[0], rates[-1]]
+    r["gflops_achieved"] = r["flops"] / r["wall_seconds"] / 1e9
+    r["fraction_of_roofline"] = r["gflops_achieved"] / r["roofline_gflops"]
+    r["matmul_seconds_at_roofline"] = r["flops"] / (r["roofline_gflops"] * 1e9)
+    r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
+    r["baseline_rss_mib"] = r["rss_before_kib"] / 1024
+    r["output_mib"] = r["output_bytes"] / 2**20
+    return r
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=["smollm2", "qwen-coder", "synthetic-deep"])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", required=True, help="name of this code state, e.g. before / after")
+    ap.add_argument("--models", nargs="*", default=["smollm2", "qwen-coder"],
+                    help="smollm2, qwen-coder, synthetic-deep (40 layers, 4k vocabulary) or a checkpoint path")
     ap.add_argument("--preset", default="default")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--probe-every", type=int, default=4, help="roofline probe every N decoder layers (0: none)")
+    ap.add_argument("--force", action="store_true", help="re-run entries already in the results file")
     a = ap.parse_args()
-    out = {"machine": platform.processor() or platform.machine(), "threads": a.threads, "preset": a.preset, "models": {}}
-    out["matmul_float64_gflops_before"] = matmul_gflops(a.threads)
+    out = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    if "runs" not in out:  # the earlier single-run format: keep it under its own label
+        out = {"runs": {"initial (before per-phase timing)": out}} if out else {"runs": {}}
+    run = out["runs"].setdefault(a.label, {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                                           "threads": a.threads, "preset": a.preset, "models": {}})
+    run["code"] = git_revision()
     for m in a.models:
-        with tempfile.TemporaryDirectory() as work:
-            src = str(synthetic_checkpoint(Path(work) / "src")) if m == "synthetic-deep" else m
-            proc = subprocess.run([sys.executable, "-c", CHILD, src, work, a.preset, str(a.threads)],
-                                  capture_output=True, text=True, check=True)
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-        r["gflops_achieved"] = r["flops"] / r["wall_seconds"] / 1e9
-        r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
-        r["baseline_rss_mib"] = r["rss_before_kib"] / 1024
-        r["output_mib"] = r["output_bytes"] / 2**20
-        out["models"][m] = r
-        print(f"{m}: {r['wall_seconds']:.1f}s, {r['gflops_achieved']:.2f} GFLOP/s of transform math, peak RSS "
-              f"{r['peak_rss_mib']:.0f} MiB (imports alone {r['baseline_rss_mib']:.0f} MiB) for a "
-              f"{r['output_mib']:.0f} MiB output", flush=True)
-    out["matmul_float64_gflops_after"] = matmul_gflops(a.threads)
-    ref = (out["matmul_float64_gflops_before"] + out["matmul_float64_gflops_after"]) / 2
-    for r in out["models"].values():
-        r["fraction_of_matmul_peak"] = r["gflops_achieved"] / ref
-    print(f"reference float64 matmul: {ref:.1f} GFLOP/s")
-    path = Path(__file__).parent / "results" / "obfuscation_perf.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+        if m in run["models"] and not a.force:
+            print(f"{a.label}/{m}: already measured (use --force to re-run)")
+            continue
+        r = run_model(m, a.preset, a.threads, a.probe_every)
+        run["models"][m] = r
+        RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+        ph = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(r["phase_seconds"].items(), key=lambda kv: -kv[1]))
+        print(f"{a.label}/{m}: {r['wall_seconds']:.1f} s wall, {r['flops'] / 1e9:.0f} GFLOP -> "
+              f"{r['gflops_achieved']:.1f} GFLOP/s = {r['fraction_of_roofline']:.2f} of the float64 matmul roofline "
+              f"{r['roofline_gflops']:.1f} GFLOP/s (same process, {a.threads} threads, probes "
+              f"{r['roofline_gflops_min_max'][0]:.1f}-{r['roofline_gflops_min_max'][1]:.1f}); peak RSS "
+              f"{r['peak_rss_mib']:.0f} MiB (imports {r['baseline_rss_mib']:.0f} MiB), output {r['output_mib']:.0f} MiB;"
+              f" load {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}\n  phases: {ph}", flush=True)
+    print(f"wrote {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -147,3 +147,17 @@ def test_outlier_dims_stay_exact_and_unmixed(arch, tiny_dir, obfuscated):
     col = e_p[:, other] * scale
     assert min((e_o[:, j] - col).abs().max() for j in range(e_o.shape[1])) > 1e-3  # the rest is mixed
 
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "deepseek_v3"])
+def test_no_expansion_h0_stays_exact(arch, tiny_dir, obfuscated):
+    """h = 0 (the `default` preset since the expansion was measured to buy nothing, docs/expansion.md): the
+    hidden width stays d and the logits are still exact."""
+    out, key = obfuscated(arch, h=0)
+    plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)
+    assert obf.config.hidden_size == plain.config.hidden_size == key.hidden_size
+    ids = torch.randint(0, plain.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(5))
+    obf_ids = torch.tensor([key.encode_ids(r) for r in ids.tolist()])
+    with rmsnorm_in_input_dtype():
+        err = (_logits(plain, ids) - _logits(obf, obf_ids)[..., torch.from_numpy(key.permutation)]).abs().max()
+    assert err <= 1e-9, err

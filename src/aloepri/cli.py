@@ -49,9 +49,14 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     shard_gb = finite_number("--max-shard-gb", a.max_shard_gb, 0.0, exclusive=True, maximum=1024.0)
     preset = a.preset or ("file" if a.preset_file else "default")
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
+    factors = None
+    if params.noise_shape == "fisher" and (params.alpha_e > 0 or params.alpha_h > 0):
+        from .eval.sensitivity import fisher_noise_factors  # the public model on a public corpus
+
+        factors = fisher_noise_factors(a.src)
     res = obfuscate(a.src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
-                    allow_weak_seed=a.allow_weak_seed)
+                    allow_weak_seed=a.allow_weak_seed, noise_factors=factors)
     if res.h != params.h:
         print(f"note: h raised from {params.h} to {res.h} so that the attention heads divide d+2h", file=sys.stderr)
     print(json.dumps({"output": str(res.output_dir), "key": str(res.key_path), "fingerprint": res.fingerprint,

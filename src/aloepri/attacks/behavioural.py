@@ -569,7 +569,8 @@ def ridge_refine(target: AttackTarget, outcome: BehaviouralOutcome, lam_rel: flo
 
 
 def run_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
-                 vma_sample: int | None = None, log: Callable[[str], None] | None = None) -> AttackResult:
+                 vma_sample: int | None = None, log: Callable[[str], None] | None = None,
+                 config: dict | None = None) -> AttackResult:
     """VMA unanimous pairs -> behavioural -> ridge on the behavioural mutual pairs."""
     t0 = time.perf_counter()
     # VMA's cheapest source set (its 'ci' budget: first and last layer) on a large id sample: the anchors only
@@ -578,7 +579,7 @@ def run_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: 
     vma_pairs = vma_confident_pairs(target, "ci", seed, sample)
     t_vma = time.perf_counter() - t0
     res, out = run_behavioural(target, data, budget, seed, extra_pairs=vma_pairs, extra_source="vma", log=log,
-                               name="behavioural-composed")
+                               name="behavioural-composed", config=config)
     t1 = time.perf_counter()
     mapping = ridge_refine(target, out)
     t_ridge = time.perf_counter() - t1

@@ -23,6 +23,14 @@ proposes them exhaustively: the first layer's attention depends on the tokens al
 can be scored exactly at every position from two tables of queries and keys (the first two positions jointly,
 over all vocab^2 pairs); the relaxation found 0% on the unprotected SmolLM2, the exhaustive proposal 100%.
 
+``isa_anchor`` (our attack, the strongest hidden-state one here): the invariant matching above fails even through
+the ``exact`` key on a real vocabulary, because the relaxation proposes the wrong candidates. Instead, fit the key
+itself: run both models on random sequences of the anchor tokens the server gets for free (chat-template positions,
+published special ids), fit one least-squares map from the obfuscated residual stream (width d + 2h) to the
+plaintext one over every layer, carry the victim's states through it and invert them like the unprotected model's
+(codebook proposal, direct matching). Every reader of the residual stream decodes it linearly (``P Q = I``), so
+such a map exists at every expansion h (docs/expansion.md measures it).
+
 IMA (after Kugler et al. 2021, the paper's setting): a small transformer (2 layers, d=128) reads obfuscated
 states at a layer (default 0: the embedding output, as the paper) and predicts the plaintext token embedding;
 the guess is its nearest plaintext token over the FULL vocabulary. ``ima`` trains on the attacker's own corpus
@@ -528,7 +536,10 @@ def _score(target: AttackTarget, data: PrivateData, predicted: list[list[int]], 
 
 
 def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
-                      cfg: ISAConfig | None = None) -> AttackResult:
+                      cfg: ISAConfig | None = None,
+                      state_map: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AttackResult:
+    """``state_map`` (optional) carries each observed obfuscated state into the plaintext model's state space
+    before matching (``isa_anchor``: a linear map fitted on anchor pairs); the states are then compared directly."""
     cfg = cfg or ISAConfig.for_budget(budget)
     gen = torch.Generator().manual_seed(seed)
     observed = data.observed(target)
@@ -540,6 +551,8 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
         obs_ids = torch.tensor([observed[i][: cfg.max_len]])
         with torch.no_grad():
             h_obs = layer_states(target.obf_model, cfg.layer, input_ids=obs_ids)[0].float()
+            if state_map is not None:
+                h_obs = state_map(h_obs).float()
         tgt = tuple(t.detach() for t in hidden_invariants(h_obs, cfg.center))
         scale = h_obs.norm(dim=-1, keepdim=True).clamp_min(1e-8)
         match = cfg.match if cfg.match != "auto" else (
@@ -592,6 +605,112 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
              "across positions and centred log-norms, invariant to an orthogonal key matrix); the public plaintext "
              "model for candidate proposal (a codebook of every token's own state when matching directly, else "
              "gradient-based relaxation) and exact scoring; no key, no obfuscated weights")
+
+
+# --- ISA through a linear map fitted on anchor contexts ---------------------------------------------------------
+
+
+@dataclass
+class AnchorMapConfig:
+    contexts: int = 64  # random sequences of anchor tokens run through both models
+    context_len: int = 32
+    ridge: float = 1e-6  # relative to the mean diagonal of the Gram matrix
+    batch: int = 16
+
+    @classmethod
+    def for_budget(cls, budget: Budget, **kw: Any) -> "AnchorMapConfig":
+        cfg = cls(contexts=max(16, int(round(256 * budget.scale))))
+        return cfg if not kw else AnchorMapConfig(**{**cfg.__dict__, **kw})
+
+
+def _residual_streams(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Residual stream at every layer boundary (embedding output .. before the final norm), each (b, n, D)."""
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    return [h.double() for h in hs[:-1]]  # the last entry has the final norm applied: not the residual stream
+
+
+def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cfg: AnchorMapConfig, seed: int
+                  ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """W (D, d) with (obfuscated residual state) @ W ~ (plaintext residual state), least squares over every layer
+    and position of random sequences made of the anchor tokens (``anchors``: (obfuscated id, plaintext id)).
+
+    Why it works: every AloePri residual state is ``h P`` for one key matrix P (d x (d+2h)) shared by all layers
+    (shared C), so one linear map inverts all of them; the expansion only adds the 2h input columns W has to learn
+    (they are a fixed linear function of the other d, so any rank-d data determines the map). Rows are weighted
+    by 1 / |plaintext state| so the large-norm positions (attention sinks) do not dominate. Noise (alpha_e, alpha_h)
+    makes the relation approximate; the fit error is reported."""
+    if len(anchors) < 2:
+        raise ValueError(f"only {len(anchors)} anchor pair(s): the anchor map needs a chat template or published "
+                         "special ids")
+    obf_ids = torch.tensor([o for o, _ in anchors])
+    plain_ids = torch.tensor([p for _, p in anchors])
+    rng = np.random.default_rng(seed)
+    pick = torch.as_tensor(rng.integers(0, len(anchors), size=(cfg.contexts, cfg.context_len)))
+    gram = rhs = None
+    rows = 0
+    for i in range(0, cfg.contexts, cfg.batch):
+        sel = pick[i:i + cfg.batch]
+        for ho, hp in zip(_residual_streams(obf_model, obf_ids[sel]), _residual_streams(plain_model, plain_ids[sel])):
+            x, y = ho.reshape(-1, ho.shape[-1]), hp.reshape(-1, hp.shape[-1])
+            w = 1.0 / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            x, y = x * w, y * w
+            gram = x.T @ x if gram is None else gram + x.T @ x
+            rhs = x.T @ y if rhs is None else rhs + x.T @ y
+            rows += x.shape[0]
+    reg = cfg.ridge * gram.diagonal().mean()
+    W = torch.linalg.solve(gram + reg * torch.eye(gram.shape[0], dtype=gram.dtype), rhs)
+    eig = torch.linalg.eigvalsh(gram)
+    info = {"anchor_pairs": len(anchors), "fit_rows": rows, "contexts": cfg.contexts, "context_len": cfg.context_len,
+            "ridge": cfg.ridge, "obf_width": int(gram.shape[0]), "plain_width": int(rhs.shape[1]),
+            "gram_effective_rank": int((eig > 1e-9 * eig.max()).sum())}
+    return W, info
+
+
+def isa_anchor_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
+                      cfg: ISAConfig | None = None, map_cfg: AnchorMapConfig | None = None,
+                      anchors: Sequence[tuple[int, int]] | None = None,
+                      template: tuple[Sequence[int], Sequence[int]] | None = None) -> AttackResult:
+    """Hidden-state ISA with a real alignment: fit ``fit_state_map`` on the anchors the server gets for free
+    (chat-template positions of the observed requests, published special ids: ``behavioural.attacker_view``; or
+    ``anchors`` given), carry each observed state into plaintext space, then invert it like the unprotected model
+    (codebook proposal + beam + coordinate descent, direct matching). Also reports the whole-vocabulary recovery
+    of the same map applied to the obfuscated embedding table (nearest plaintext embedding row by cosine)."""
+    from .behavioural import attacker_view
+
+    cfg = cfg or ISAConfig.for_budget(budget)
+    map_cfg = map_cfg or AnchorMapConfig.for_budget(budget)
+    if anchors is None:
+        pairs, view = attacker_view(target, data, template)
+        anchors = [(int(o), int(pairs.obf_to_plain[o])) for o in pairs.known_obf]
+    W = fit_state_map(target.plain_model, target.obf_model, anchors, map_cfg, seed)
+    W, map_info = W
+    to_plain = lambda h: (h.double() @ W).float()  # noqa: E731
+    res = isa_hidden_attack(target, data, budget, seed, cfg=cfg, state_map=to_plain)
+    # diagnostics (ground truth used for scoring only): fit error on the victim's own states, vocabulary recovery
+    observed = data.observed(target)
+    idx = _prompts(data, observed, cfg)
+    errs = []
+    with torch.no_grad():
+        for i in idx:
+            ho = layer_states(target.obf_model, cfg.layer, input_ids=torch.tensor([observed[i][: cfg.max_len]]))[0]
+            hp = layer_states(target.plain_model, cfg.layer,
+                              input_ids=torch.tensor([data.plain_ids[i][: cfg.max_len]]))[0].double()
+            errs.append(float(((to_plain(ho).double() - hp).norm(dim=-1) / hp.norm(dim=-1).clamp_min(1e-12)).mean()))
+        plain_emb = F.normalize(_inner(target.plain_model).embed_tokens.weight.double(), dim=-1)
+        obf_emb = _inner(target.obf_model).embed_tokens.weight.double()
+        guess = torch.cat([(F.normalize(obf_emb[i:i + 4096] @ W, dim=-1) @ plain_emb.T).argmax(-1)
+                           for i in range(0, obf_emb.shape[0], 4096)])
+    truth = torch.as_tensor(np.argsort(target.true_permutation()))  # obfuscated id -> plaintext id
+    metrics = {**res.metrics, "map_relative_error_on_victim_states": float(np.mean(errs)),
+               "vocab_recovery_from_mapped_embedding": float((guess == truth).double().mean())}
+    return AttackResult(
+        "isa_anchor", res.ttrsr, res.piirsr, metrics, budget={**res.budget, "map": map_info},
+        uses=f"{map_info['anchor_pairs']} anchor pairs (chat-template positions of the observed requests and "
+             "published special ids, or given); both models run on random sequences of anchor tokens to fit one "
+             "linear map obfuscated -> plaintext residual state (all layers pooled); then the obfuscated residual "
+             f"stream after decoder layer {cfg.layer} of each victim prompt, mapped, inverted against the public "
+             "model (state codebook, beam, direct matching); no key, no weights compared")
 
 
 def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
@@ -853,6 +972,12 @@ def _ima(target: AttackTarget, data: PrivateData, budget: Budget, seed: int, ora
 def isa_hidden(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """ISA on hidden states: invert key-invariant statistics of the residual stream at a shallow layer."""
     return isa_hidden_attack(target, data, budget, seed)
+
+
+@register("isa_anchor")
+def isa_anchor(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """ISA on hidden states through a linear map fitted on free anchor pairs (template, special ids)."""
+    return isa_anchor_attack(target, data, budget, seed)
 
 
 @register("isa_attention")

@@ -132,7 +132,7 @@ def swiglu_block(ctx: LayerContext, i: int, size: int, label: str, roles: tuple[
     A routed expert is read under its stored index ``expert`` and written into its new ``slot``."""
     source, secrets, put = ctx.source, ctx.secrets, ctx.put
     gate_r, up_r, down_r = roles
-    gate, up, down = (source.get(r, i, expert=expert) for r in roles)
+    gate, up, down = (source.get(r, i, expert=expert, dtype=None) for r in roles)  # float64 after the gather
     labels = (label, i) if expert is None else (label, i, expert)
     perm, scale = secrets.ffn(size, *labels)
     g, u, dn = obfuscate_mlp(gate, up, down, source.get("ffn_norm", i), secrets.reader_Q(gate_r, *labels[1:]),

@@ -4,11 +4,14 @@ Readers hand out one tensor at a time by role, so the pipeline holds about one d
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import shutil
+import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +202,101 @@ class SafetensorsCheckpoint(SourceCheckpoint):
         return {"pretrained_model_name_or_path": str(self.path)} if has_tok else None
 
 
+
+def _fast_gguf_reader(path: str):
+    """gguf.GGUFReader whose metadata parsing slices a plain ndarray view of the file mapping instead of the
+    np.memmap itself: every memmap slice runs Python-level __array_finalize__, and a tokenizer of 150k strings
+    makes ~1M of them (7-25 s for Qwen2.5's GGUF). Same fields, same tensors, same bytes."""
+    import gguf
+
+    class _Reader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = plain[offset: offset + dt.itemsize * count].view(dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            """Arrays of strings or scalars (the tokenizer's 150k tokens and merges) in one loop, the same parts
+            as the stock element-by-element recursion; anything else goes to the stock parser."""
+            if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+            nptype = self.gguf_scalar_to_np.get(gguf.GGUFValueType(itype)) if itype in gguf.GGUFValueType._value2member_map_ else None
+            if n == 0 or (itype != gguf.GGUFValueType.STRING and nptype is None):
+                return super()._get_field_parts(orig_offs, raw_type)
+            parts, idxs = [raw_itype, alen], []
+            if itype == gguf.GGUFValueType.STRING:
+                plain, view, from_bytes = self._plain, memoryview(self._plain), int.from_bytes
+                for _ in range(n):
+                    length = from_bytes(view[offs: offs + 8], "little")
+                    parts.append(plain[offs: offs + 8].view(np.uint64))
+                    parts.append(plain[offs + 8: offs + 8 + length])
+                    idxs.append(len(parts) - 1)
+                    offs += 8 + length
+            else:
+                values = self._get(offs, nptype, n)
+                parts.extend(values[k: k + 1] for k in range(n))
+                idxs = list(range(2, 2 + n))
+                offs += int(values.nbytes)
+            return offs - orig_offs, parts, idxs, [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(itype)]
+
+    return _Reader(path)
+
+
+@contextlib.contextmanager
+def _reusing_reader(reader):
+    """transformers' load_gguf_checkpoint opens its own gguf.GGUFReader(path); give it the one already parsed."""
+    import gguf
+
+    stock = gguf.GGUFReader
+    gguf.GGUFReader = lambda *args, **kwargs: reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = stock
+
+
+def _dequantize(t) -> np.ndarray:
+    """gguf.dequantize, by larger row groups on a plain view: the stock routine calls its block decoder on groups
+    of 16 rows of the memmap, whose per-call overhead dominates (Q8_0 embedding: 3.3 s -> 0.6 s). The block
+    decoders are elementwise, so the result is bit-identical."""
+    import gguf
+    from gguf.quants import _type_traits
+
+    quant = _type_traits.get(t.tensor_type)
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or quant is None:
+        return gguf.dequantize(t.data, t.tensor_type)
+    quant.init_grid()
+    decode = _q5_0_rows if t.tensor_type == gguf.GGMLQuantizationType.Q5_0 else quant.dequantize_rows
+    raw = np.asarray(t.data).view(np.ndarray).view(np.uint8)
+    raw = raw.reshape(-1, raw.shape[-1])
+    out = np.empty((raw.shape[0], raw.shape[1] // quant.type_size * quant.block_size), dtype=np.float32)
+    step = max(1, (1 << 19) // raw.shape[1])  # ~0.5 MB of blocks per call: temporaries stay in cache
+    for start in range(0, raw.shape[0], step):
+        out[start: start + step] = decode(raw[start: start + step])
+    return out.reshape(*t.data.shape[:-1], out.shape[-1])
+
+
+def _q5_0_rows(rows: np.ndarray) -> np.ndarray:
+    """Q5_0 rows (uint8) -> float32, bit-identical to gguf's decoder (the same single float32 multiply d * (q - 16))
+    but with the 32 high bits unpacked by np.unpackbits instead of 32 uint32 shifts per block: 4x faster on
+    Qwen2.5's Q5_0 weights. Block: float16 d, 4 bytes of high bits (bit j = element j), 16 bytes of nibbles
+    (low nibbles: elements 0-15, high nibbles: 16-31)."""
+    blocks = rows.reshape(-1, 22)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")
+    nibbles = blocks[:, 6:]
+    low = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=1)
+    q = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(16)
+    return (d * q.astype(np.float32)).reshape(rows.shape[0], -1)
+
+
 def _unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's converter: it stores each head's rows as adjacent RoPE pairs; HF uses (i, i+d/2)."""
     dim = w.shape[0] // n_head // 2
@@ -216,7 +314,7 @@ class GGUFCheckpoint(SourceCheckpoint):
             if f.read(4) != b"GGUF":
                 raise CheckpointError(f"{self.path}: not a GGUF file (bad magic)")
         try:
-            self._reader = gguf.GGUFReader(str(self.path))
+            self._reader = _fast_gguf_reader(str(self.path))
         except Exception as e:
             raise CheckpointError(f"{self.path}: cannot parse GGUF ({e}); the file is corrupt or truncated") from e
         arch = bytes(self._reader.fields["general.architecture"].parts[-1]).decode()
@@ -227,7 +325,9 @@ class GGUFCheckpoint(SourceCheckpoint):
                 raise CheckpointError(f"{self.path}: tensor {t.name} is truncated; re-download the file")
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-        parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)
+        # transformers would parse the whole file (tokenizer arrays included) a second time: hand it our reader
+        with _reusing_reader(self._reader):
+            parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)
         cfg = dict(parsed["config"])
         cfg["architectures"] = [self.spec.hf_architectures[0]]
         cfg["model_type"] = self.spec.name
@@ -244,13 +344,11 @@ class GGUFCheckpoint(SourceCheckpoint):
         return set(self._tensors)
 
     def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
-        import gguf
-
         name = self.name_of(role, layer, part)
         t = self._tensors.get(name)
         if t is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the GGUF file")
-        w = gguf.dequantize(t.data, t.tensor_type)
+        w = _dequantize(t)
         if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
             heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
             w = _unpermute_llama_qk(w, heads)
@@ -294,7 +392,9 @@ def open_checkpoint(path: str | Path) -> SourceCheckpoint:
 class ShardedWriter:
     """Writes tensors into size-bounded safetensors shards plus model.safetensors.index.json.
 
-    Tensors are buffered only until the shard is full, so memory stays bounded by ``max_shard_bytes``.
+    Tensors are buffered only until the shard is full; a full shard is written by a background thread while the
+    next one fills (safetensors releases the GIL while writing), so memory stays bounded by two shards and the
+    disk works while the products run. A write error is raised by the next add/finish.
     """
 
     def __init__(self, directory: Path, max_shard_bytes: int = 256 << 20):
@@ -305,6 +405,8 @@ class ShardedWriter:
         self._shard_files: list[str] = []
         self._weight_map: dict[str, int] = {}
         self.total_bytes = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._weight_map or name in self._buffer:
@@ -324,17 +426,45 @@ class ShardedWriter:
 
         if not self._buffer:
             return
+        self._wait()  # at most one shard in flight
         idx = len(self._shard_files)
         fname = f"model-{idx + 1:05d}.safetensors"
-        save_file(self._buffer, str(self.directory / fname), metadata={"format": "pt"})
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._pending = self._pool.submit(save_file, self._buffer, str(self.directory / fname),
+                                          metadata={"format": "pt"})
         for k in self._buffer:
             self._weight_map[k] = idx
         self._shard_files.append(fname)
         self._buffer = {}
         self._buffer_bytes = 0
 
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises the writer thread's error (e.g. disk full) here
+
+    def abandon(self) -> None:
+        """After a failure elsewhere: let an in-flight write end (its error no longer matters) before the
+        staging directory is removed."""
+        try:
+            self._wait()
+        except Exception:
+            pass
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def finish(self) -> None:
         self._flush()
+        try:
+            self._wait()
+        finally:
+            self._shutdown()
         n = len(self._shard_files)
         final_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for old, new in zip(self._shard_files, final_names):

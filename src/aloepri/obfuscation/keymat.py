@@ -6,10 +6,25 @@ are row vectors, ``x_obf = x @ P`` with ``P`` of shape (d, d+2h) and readers und
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def single_threaded_blas():
+    """Context: numpy's BLAS/LAPACK on one thread. The secrets are small matrices (at most (d+2h)^2) whose QR, SVD
+    and products gain nothing from threads but pay a barrier per call; on a loaded 2-core machine SmolLM2's key
+    base took 54 s with 2 OpenBLAS threads and 0.9 s with 1. LAPACK's blocking depends on the thread count, so
+    B^-1 (and the readers built from it) move by float64 rounding against a 2-thread run; with one thread the
+    secrets no longer depend on the machine's core count. The big weight products run in torch, whose thread
+    count this does not touch. Without threadpoolctl this is a no-op."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def derive_rng(seed: int, *labels: object) -> np.random.Generator:
@@ -133,6 +148,8 @@ def sample_D(rng: np.random.Generator, base: KeyBase) -> np.ndarray:
     """InvKeyMatGen's D (h x d) with E D = 0, energy matched to F's (||F||_F^2 ~ h^2/(2d))."""
     d, h = base.d, base.h
     k = base.d_basis.shape[1]
+    if k == 0:  # h = 0 (no expansion) leaves no null space to draw from
+        return np.zeros((h, d))
     std = np.sqrt((h * h / (2.0 * d)) / (d * k))
     D = base.d_basis @ rng.normal(0.0, std, (k, d))
     D[:, list(base.kept)] = 0.0

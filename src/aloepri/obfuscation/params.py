@@ -36,7 +36,9 @@ class ObfuscationParams:
     head_permutation   sample tau_kv and tau_group (exact, always on unless disabled for debugging)
     noise_shape        embedding/head noise: "isotropic" (the paper: alpha * std(W) everywhere), "column" (each
                        dimension's noise follows that column's own std) or "row" (each token's noise scaled by its
-                       row norm over the mean); same total noise energy (docs/accuracy.md measures them)
+                       row norm over the mean) or "fisher" (covariance ~ inverse sensitivity of the public model on
+                       a public corpus, obfuscation/noise.py); same total noise energy (docs/accuracy.md,
+                       docs/defences.md measure them)
     router_normalize   MoE: scale every expert's router vector to unit norm before permuting (the paper's text).
                        It changes which experts are chosen (docs/moe-mla.md), so it is off: the exact variant
     outlier_dims       residual dimensions (the massive-activation ones, found from the public weights: largest
@@ -114,7 +116,7 @@ MAX_SCALE_RANGE = 1e3
 MAX_GAMMA = 1e6
 MAX_NOISE = 1e3
 MAX_OUTLIER_DIMS = 64  # a handful is what massive activations need; more would expose a real share of the state
-_CHOICES = {"kappa_mode": ("isotropic", "embedding"), "noise_shape": ("isotropic", "column", "row"),
+_CHOICES = {"kappa_mode": ("isotropic", "embedding"), "noise_shape": ("isotropic", "column", "row", "fisher"),
             "vo_mixing": ("conditioned", "gaussian")}
 
 
@@ -164,8 +166,8 @@ def _range_problems(p: "ObfuscationParams") -> list[str]:
             finite_number(name, getattr(p, name), lo, exclusive, hi)
         except ValueError as e:
             problems.append(str(e))
-    if p.h < 2 or p.h % 2 or p.h > MAX_H:
-        problems.append(f"h must be an even integer in [2, {MAX_H}] (got {p.h})")
+    if p.h < 0 or p.h % 2 or p.h > MAX_H:
+        problems.append(f"h must be an even integer in [0, {MAX_H}] (got {p.h})")
     if not 0 <= p.outlier_dims <= MAX_OUTLIER_DIMS:
         problems.append(f"outlier_dims must be an integer in [0, {MAX_OUTLIER_DIMS}] (got {p.outlier_dims})")
     if p.beta < 1:
@@ -190,7 +192,10 @@ PAPER = ObfuscationParams(alpha_e=1.0, alpha_h=0.2, lam=0.3, h=128, beta=8, gamm
 # every mechanism of the paper on, lambda and beta at values that cost < 1% top-1 each, and the largest noise
 # we measured that keeps top-1 agreement >= 0.9 (alpha_e=0.1, alpha_h=0.05). Small models tolerate ~10x less
 # noise than the paper's, and this much noise does not stop vocabulary matching (benchmarks/vma_gate_quick.py).
-DEFAULT = ObfuscationParams(alpha_e=0.1, alpha_h=0.05, lam=0.1, h=128, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0)
+# h=0: no expansion. The width bought nothing measurable (benchmarks/expansion_sweep.py, docs/expansion.md: the
+# hidden-state attack recovers 100% of prompt tokens at every h; accuracy is the same) and costs D/d per token
+# (1.50x at SmolLM2's former h=144; docs/serving.md "Served cost"). With h=0 there is no C/E block to fill.
+DEFAULT = ObfuscationParams(alpha_e=0.1, alpha_h=0.05, lam=0.1, h=0, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0)
 
 PRESETS: dict[str, ObfuscationParams] = {"exact": EXACT, "default": DEFAULT, "paper": PAPER}
 
@@ -198,7 +203,8 @@ PRESET_NOTES = {
     "exact": "no noise: reproduces plaintext logits, but does NOT hide the vocabulary permutation "
     "from weight matching (row-sorting the embedding recovers it) nor from a server that runs both models "
     "(output-profile matching: 99.98% of the vocabulary, 100% of prompt tokens on SmolLM2)",
-    "default": "all mechanisms on, noise reduced 10x for small models (top-1 0.91 on SmolLM2-135M); "
+    "default": "all mechanisms on but the width expansion (h=0: it protected nothing measurable and cost up to 1.5x "
+    "per token), noise reduced 10x for small models (top-1 0.91 on SmolLM2-135M); "
     "it does NOT hide the vocabulary permutation from weight matching (99.9% recovered on SmolLM2) nor from a "
     "server that runs both models (99.96% of the vocabulary, 100% of prompt and PII tokens on SmolLM2; 100% of "
     "prompt tokens on Qwen2.5-Coder-0.5B)",

@@ -17,6 +17,7 @@ from ..keyfile import (FINGERPRINTED, MODEL_META_FILE, MODEL_META_FORMAT, KeyFil
                        existing_key_problem, fingerprint_update, publish_key, recover_or_clean_staged_keys, stage_key)
 from ..storage.staging import check_writable_destination
 from .archs import LINEAR_ROLES, ArchSpec
+from . import keymat
 from .blocks import LayerContext, attention_kind, feed_forward_kind
 from .checkpoint import (AtomicOutputDir, CheckpointError, ShardedWriter, SourceCheckpoint, clean_stale_outputs,
                          open_checkpoint)
@@ -140,6 +141,7 @@ def obfuscate(
     overwrite: bool = False,
     progress: bool = True,
     allow_weak_seed: bool = False,
+    noise_factors: tuple | None = None,
 ) -> ObfuscationResult:
     """Obfuscate ``src`` (HF checkpoint directory or .gguf) into ``out`` (server artifact) and ``key_out``.
 
@@ -156,6 +158,9 @@ def obfuscate(
     seed = resolve_seed(seed, allow_weak_seed)
     if not isinstance(params, ObfuscationParams):
         raise ValueError(f"params must be an ObfuscationParams (see resolve_params), got {type(params).__name__}")
+    if (params.noise_shape == "fisher" and (params.alpha_e > 0 or params.alpha_h > 0)) != (noise_factors is not None):
+        raise ValueError("noise_shape 'fisher' with noise needs noise_factors=aloepri.eval.sensitivity."
+                         "fisher_noise_factors(src) (the CLI computes them), and only it takes them")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     if dtype is not None and dtype not in _DTYPES:
@@ -168,14 +173,14 @@ def obfuscate(
         raise FileExistsError(f"{out} already exists; choose a new output path or pass --force")
     check_writable_destination(out, "output directory")
     check_writable_destination(key_out, "key file")
-    with contextlib.closing(open_checkpoint(src)) as source:
+    with contextlib.closing(open_checkpoint(src)) as source, keymat.single_threaded_blas():
         return _obfuscate_source(source, src, out, key_out, params, seed, dtype, max_shard_bytes, overwrite, progress,
-                                 t0)
+                                 t0, noise_factors)
 
 
 def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, params: ObfuscationParams, seed: int,
                       dtype: str | None, max_shard_bytes: int, overwrite: bool, progress: bool,
-                      t0: float) -> ObfuscationResult:
+                      t0: float, noise_factors: tuple | None = None) -> ObfuscationResult:
     source.validate()
     spec, cfg = source.spec, source.config
     shape = model_shape(cfg, spec)
@@ -192,7 +197,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     vocab_perm = secrets.vocab_permutation()
     D = secrets.hidden_size
     flops = 0.0
-    staged_key = None
+    staged_key = writer = None
     staging = AtomicOutputDir(out, overwrite=overwrite)
     try:
         writer = ShardedWriter(staging.tmp, max_shard_bytes)
@@ -206,16 +211,18 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
             calib = embed[torch.from_numpy(np.sort(idx))].to(torch.float64).numpy()
         kappa = secrets.kappa(calib)
         norm_const = torch.full((D,), kappa, dtype=out_dtype)
-
+        f_embed, f_head = noise_factors if noise_factors is not None else (None, None)
         e_obf = obfuscate_embedding(embed, vocab_perm, secrets.writer_P("embed"), params.alpha_e,
-                                    secrets.rng("noise", "embed"), out_dtype, params.noise_shape)
+                                    secrets.rng("noise", "embed"), out_dtype, params.noise_shape,
+                                    f_embed if params.alpha_e > 0 else None)
         flops += 2.0 * embed.shape[0] * shape.d * D
         fingerprint_update(fp, "model.embed_tokens.weight", e_obf)
         writer.add("model.embed_tokens.weight", e_obf)
         head_plain = embed if source.tied_embeddings else source.get("head", dtype=None)
         del embed, e_obf
         h_obf = obfuscate_head(head_plain, source.get("final_norm"), vocab_perm, secrets.reader_Q("head"),
-                               params.alpha_h, secrets.rng("noise", "head"), out_dtype, params.noise_shape)
+                               params.alpha_h, secrets.rng("noise", "head"), out_dtype, params.noise_shape,
+                               f_head if params.alpha_h > 0 else None)
         flops += 2.0 * head_plain.shape[0] * shape.d * D
         fingerprint_update(fp, "lm_head.weight", h_obf)
         writer.add("lm_head.weight", h_obf)
@@ -256,6 +263,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         staged_key = stage_key(key, key_out)
         staging.commit()
     except BaseException:
+        if writer is not None:
+            writer.abandon()  # no shard write may still be running when the staging directory goes
         staging.abort()
         if staged_key is not None:
             staged_key.unlink(missing_ok=True)

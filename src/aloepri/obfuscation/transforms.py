@@ -24,10 +24,13 @@ def _t(a: np.ndarray | Tensor) -> Tensor:
 def transform_reader_input(weight: Tensor, norm_weight: Tensor | None, Q: np.ndarray) -> Tensor:
     """A linear layer that reads the (normalised) residual stream: fuse the RMSNorm weight, then undo P.
 
-    Math: W~ = Q diag(w) W  ->  HF layout (out, D) = W_hf diag(w) Q^T.
+    Math: W~ = Q diag(w) W  ->  HF layout (out, D) = W_hf diag(w) Q^T. diag(w) is applied to Q^T (d x D), not to
+    the weight: one small scaling instead of a copy of the weight.
     """
-    w = weight if norm_weight is None else weight * norm_weight[None, :]
-    return w @ _t(Q).T
+    right = _t(Q).T
+    if norm_weight is not None:
+        right = norm_weight[:, None] * right
+    return weight @ right
 
 
 def transform_writer_output(weight: Tensor, P: np.ndarray) -> Tensor:
@@ -42,7 +45,7 @@ def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
 # --- embedding and head --------------------------------------------------------------------------------
 
 
-NOISE_SHAPES = ("isotropic", "column", "row")
+NOISE_SHAPES = ("isotropic", "column", "row", "fisher")
 
 
 def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor, float]:
@@ -58,9 +61,11 @@ def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor,
     norms = 0.0
     for start in range(0, weight.shape[0], chunk_rows):
         c = weight[start : start + chunk_rows].to(torch.float64)
+        cc = c * c
         s1 += c.sum(0)
-        s2 += (c * c).sum(0)
-        norms += float((c * c).sum())
+        s2 += cc.sum(0)
+        if shape == "row":  # only the row shape needs the row norms
+            norms += float(cc.sum())
     n = weight.shape[0]
     col_var = (s2 - s1 * s1 / n) / (n - 1)
     total_std = float(np.sqrt(max(float(s2.sum() - s1.sum() ** 2 / (n * d)), 0.0) / (n * d - 1)))
@@ -75,41 +80,61 @@ def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor,
 def _permute_noise_project(
     weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float, rng: np.random.Generator,
     out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192, noise_shape: str = "isotropic",
+    noise_factor: Tensor | None = None,
 ) -> Tensor:
     """Rows of a vocabulary matrix (n, d): permute, add alpha-scaled Gaussian noise (shaped by ``noise_shape``,
     see _noise_profile), scale columns, multiply by ``right`` (d, D). Float64 chunk by chunk, so memory stays
     bounded by the input and output."""
-    n = weight.shape[0]
+    n, d = weight.shape
     if noise_shape not in NOISE_SHAPES:
         raise ValueError(f"noise_shape must be one of {NOISE_SHAPES}")
+    if alpha > 0 and (noise_shape == "fisher") != (noise_factor is not None):
+        raise ValueError("noise_shape 'fisher' needs a noise_factor (obfuscation/noise.py), and only it takes one")
+    factor_t = None if noise_factor is None else noise_factor.to(torch.float64).T.contiguous()
     col_std, rms_norm = _noise_profile(weight, noise_shape, chunk_rows) if alpha > 0 else (None, 1.0)
-    plain_rows = np.argsort(vocab_perm)  # obfuscated row j holds plain token plain_rows[j]
+    plain_rows = torch.from_numpy(np.argsort(vocab_perm))  # obfuscated row j holds plain token plain_rows[j]
+    if column_scale is not None:  # diag(c) on the small (d, D) factor instead of on every chunk of rows
+        right = column_scale[:, None] * right
+    right = right.contiguous()
     out = torch.empty((n, right.shape[1]), dtype=out_dtype)
+    # buffers reused across chunks: fresh 50-80 MB allocations per chunk cost page faults, not arithmetic
+    rows_buf = torch.empty((chunk_rows, d), dtype=torch.float64)
+    noise_buf = np.empty((chunk_rows, d)) if alpha > 0 else None
+    prod_buf = torch.empty((chunk_rows, right.shape[1]), dtype=torch.float64)
     for start in range(0, n, chunk_rows):
         stop = min(n, start + chunk_rows)
-        rows = weight[torch.from_numpy(plain_rows[start:stop])].to(torch.float64)
+        rows = rows_buf[: stop - start]
+        rows.copy_(weight.index_select(0, plain_rows[start:stop]))
         if alpha > 0:
-            noise = torch.from_numpy(rng.standard_normal(rows.shape)) * col_std[None, :]
+            noise_np = noise_buf[: stop - start]
+            rng.standard_normal(out=noise_np)  # the same draws as rng.standard_normal(rows.shape)
+            noise = torch.from_numpy(noise_np)
+            if factor_t is not None:  # rows of z @ F^T: covariance F F^T (sensitivity-shaped, trace d)
+                noise = noise @ factor_t
+            noise.mul_(col_std[None, :])
             if noise_shape == "row":
-                noise = noise * (rows.norm(dim=1, keepdim=True) / rms_norm)
-            rows = rows + alpha * noise
-        if column_scale is not None:
-            rows = rows * column_scale[None, :]
-        out[start:stop] = (rows @ right).to(out_dtype)
+                noise.mul_(rows.norm(dim=1, keepdim=True) / rms_norm)
+            rows.add_(noise.mul_(alpha))
+        prod = prod_buf[: stop - start]
+        torch.matmul(rows, right, out=prod)
+        out[start:stop].copy_(prod)
     return out
 
 
 def obfuscate_embedding(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,
-                        rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic") -> Tensor:
+                        rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
+                        noise_factor: Tensor | None = None) -> Tensor:
     """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i."""
-    return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype, noise_shape=noise_shape)
+    return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype, noise_shape=noise_shape,
+                                  noise_factor=noise_factor)
 
 
 def obfuscate_head(weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
-                   rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic") -> Tensor:
+                   rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
+                   noise_factor: Tensor | None = None) -> Tensor:
     """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T; HF layout (n, D), row vocab_perm[i] = plain token i."""
     return _permute_noise_project(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight,
-                                  noise_shape=noise_shape)
+                                  noise_shape=noise_shape, noise_factor=noise_factor)
 
 
 # --- attention -----------------------------------------------------------------------------------------
@@ -209,13 +234,22 @@ def obfuscate_attention(
     def heads(t: Tensor, n: int) -> Tensor:  # (n*dh, ...) -> (n, dh, ...)
         return t.reshape(n, dh, *t.shape[1:])
 
-    # Output-side maps M act on columns in math layout (x W M), i.e. rows in HF layout: rows -> M^T rows.
-    q_w = heads(transform_reader_input(w["q"], norm_weight, Q_q), num_heads)
-    k_w = heads(transform_reader_input(w["k"], norm_weight, Q_k), num_kv_heads)
-    v_w = heads(transform_reader_input(w["v"], norm_weight, Q_v), num_kv_heads)
-    out["q"] = torch.cat([_t(secrets.q_maps[g]).T @ q_w[i] for i, g in sources])
-    out["k"] = torch.cat([_t(secrets.k_maps[g]).T @ k_w[g] for g in secrets.kv_order])
-    out["v"] = torch.cat([_t(secrets.vo_mix[g]).T @ v_w[g] for g in secrets.kv_order])
+    # Output-side maps M act on columns in math layout (x W M), i.e. rows in HF layout: rows -> M^T rows. They act
+    # on the output rows, so they are applied to the plain weight's rows (d columns) before the reader product
+    # (D columns), all heads in one batched product; the result is the same matrix.
+    q_src = torch.from_numpy(np.array([i for i, _ in sources]))
+    q_grp = [g for _, g in sources]
+    kv_src = torch.from_numpy(np.asarray(secrets.kv_order))
+
+    def per_head(maps: list[np.ndarray], groups, t: Tensor, n: int, picked: Tensor) -> Tensor:
+        mt = torch.stack([_t(maps[g]).T for g in groups])  # (slots, dh, dh)
+        return torch.bmm(mt, heads(t, n).index_select(0, picked)).reshape(-1, t.shape[1])
+
+    out["q"] = transform_reader_input(per_head(secrets.q_maps, q_grp, w["q"], num_heads, q_src), norm_weight, Q_q)
+    out["k"] = transform_reader_input(per_head(secrets.k_maps, secrets.kv_order, w["k"], num_kv_heads, kv_src),
+                                      norm_weight, Q_k)
+    out["v"] = transform_reader_input(per_head(secrets.vo_mix, secrets.kv_order, w["v"], num_kv_heads, kv_src),
+                                      norm_weight, Q_v)
     if "q_bias" in w:
         qb = heads(w["q_bias"], num_heads)
         out["q_bias"] = torch.cat([qb[i] @ _t(secrets.q_maps[g]) for i, g in sources])
@@ -228,8 +262,10 @@ def obfuscate_attention(
 
     # o_proj: math rows of head i get U_vo^-1 of its kv group; then the writer's P on the output side.
     o_math = heads(w["o"].T, num_heads)  # (m, dh, d)
-    o_rows = torch.cat([_t(np.linalg.inv(secrets.vo_mix[g])) @ o_math[i] for i, g in sources])
-    out["o"] = (o_rows @ _t(P_o)).T.contiguous()
+    vo_inv = [np.linalg.inv(m) for m in secrets.vo_mix]  # once per kv group, not once per q head
+    inv_t = torch.stack([_t(vo_inv[g]) for g in q_grp])
+    o_rows = torch.bmm(inv_t, o_math.index_select(0, q_src)).reshape(-1, o_math.shape[2])  # (m dh, d)
+    out["o"] = transform_writer_output(o_rows.T, P_o)  # HF layout (D, m dh) = P^T o_rows^T
     if "o_bias" in w:
         out["o_bias"] = transform_writer_bias(w["o_bias"], P_o)
 
@@ -254,10 +290,14 @@ def obfuscate_mlp(
     the Hadamard product linearly.
     """
     perm = torch.from_numpy(ffn_perm)
-    scale = _t(ffn_scale)
-    g = transform_reader_input(gate, norm_weight, Q_gate)[perm]
-    u = (transform_reader_input(up, norm_weight, Q_up) * scale[:, None])[perm]
-    d = transform_writer_output(down / scale[None, :], P_down)[:, perm]
+    scale = _t(ffn_scale)[perm]
+    # Z and H act on the intermediate units: permute and scale the plain weights (d wide) before the products
+    # (D wide) rather than gathering the products afterwards; the result is the same matrix.
+    # The weights may come in their stored precision: gathering first moves half the bytes, and the float64
+    # conversion (exact) happens in the same pass as the scaling.
+    g = transform_reader_input(gate.index_select(0, perm).to(torch.float64), norm_weight, Q_gate)
+    u = transform_reader_input(up.index_select(0, perm).to(torch.float64) * scale[:, None], norm_weight, Q_up)
+    d = transform_writer_output(down.index_select(1, perm).to(torch.float64) / scale[None, :], P_down)
     return g, u, d
 
 
