@@ -145,7 +145,7 @@ def main() -> None:
         base = target.split("+", 1)[0]
         params = target_params(base)
         factors = None
-        if params.noise_shape == "fisher" and (params.alpha_e > 0 or params.alpha_h > 0):
+        if params.needs_noise_factors:
             from aloepri.eval.sensitivity import fisher_noise_factors
 
             factors = fisher_noise_factors(src)

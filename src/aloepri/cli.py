@@ -50,7 +50,7 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     preset = a.preset or ("file" if a.preset_file else "default")
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
     factors = None
-    if params.noise_shape == "fisher" and (params.alpha_e > 0 or params.alpha_h > 0):
+    if params.needs_noise_factors:
         from .eval.sensitivity import fisher_noise_factors  # the public model on a public corpus
 
         factors = fisher_noise_factors(a.src)

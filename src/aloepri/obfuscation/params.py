@@ -79,6 +79,11 @@ class ObfuscationParams:
                 object.__setattr__(self, f.name, (float if f.type == "float" else int)(getattr(self, f.name)))
 
     @property
+    def needs_noise_factors(self) -> bool:
+        """Sensitivity-shaped noise is drawn: obfuscate() then needs ``noise_factors`` from the public model."""
+        return self.noise_shape == "fisher" and (self.alpha_e > 0 or self.alpha_h > 0)
+
+    @property
     def is_exact(self) -> bool:
         """True when the obfuscated model reproduces plaintext logits up to float rounding."""
         return (

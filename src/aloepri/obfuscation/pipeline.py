@@ -158,7 +158,7 @@ def obfuscate(
     seed = resolve_seed(seed, allow_weak_seed)
     if not isinstance(params, ObfuscationParams):
         raise ValueError(f"params must be an ObfuscationParams (see resolve_params), got {type(params).__name__}")
-    if (params.noise_shape == "fisher" and (params.alpha_e > 0 or params.alpha_h > 0)) != (noise_factors is not None):
+    if params.needs_noise_factors != (noise_factors is not None):
         raise ValueError("noise_shape 'fisher' with noise needs noise_factors=aloepri.eval.sensitivity."
                          "fisher_noise_factors(src) (the CLI computes them), and only it takes them")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
@@ -192,6 +192,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     out_dtype = _DTYPES[dtype]
     check_key_matrix_memory(shape, params)
 
+    if params.outlier_dims >= shape.d:  # before the extra pass over the feed-forward weights
+        raise ValueError(f"outlier_dims={params.outlier_dims} must be smaller than the hidden size {shape.d}")
     outliers = massive_activation_dims(source, shape.num_layers, params.outlier_dims) if params.outlier_dims else ()
     secrets = SecretSampler(seed, params, shape, outliers)
     vocab_perm = secrets.vocab_permutation()
@@ -287,8 +289,6 @@ def massive_activation_dims(source: SourceCheckpoint, num_layers: int, count: in
         else:  # routed experts only (Mixtral): their down projections, a third of the layer's weights
             rows = sum(source.get("expert_down", i, expert=e).pow(2).sum(dim=1) for e in range(source.num_experts))
         energy = rows if energy is None else energy + rows
-    if count >= energy.numel():
-        raise ValueError(f"outlier_dims={count} must be smaller than the hidden size {energy.numel()}")
     return tuple(sorted(int(i) for i in torch.argsort(energy, descending=True)[:count]))
 
 
