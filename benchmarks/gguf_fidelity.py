@@ -29,10 +29,14 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import parse_variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "gguf_fidelity.json"
@@ -180,7 +184,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
     ap.add_argument("--types", nargs="+", default=["f32", "f16", "q8_0", "q4_0"])
-    ap.add_argument("--presets", nargs="+", default=["exact", "default"])
+    ap.add_argument("--presets", nargs="+", default=["exact", "default"],
+                    help="presets, or LABEL=PRESET:key=value,... variants (benchmarks/variants.py)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[11])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--reply-tokens", type=int, default=64)
@@ -225,12 +230,13 @@ def main() -> None:
     if not (work / "plain" / "config.json").exists():
         plaintext_reference_dir(src, work / "plain")
     models: dict[str, tuple[Path, object]] = {"plain": (work / "plain", None)}
-    for preset in a.presets:
+    variants = [parse_variant(v) for v in a.presets]
+    for preset, params in variants:
         for seed in a.seeds:
             d = work / f"{preset}-s{seed}"
             if not (d / "client.key").exists():
                 t0 = time.monotonic()
-                aloepri.obfuscate(src, d / "server", d / "client.key", aloepri.resolve_params(preset), seed=seed,
+                aloepri.obfuscate(src, d / "server", d / "client.key", params, seed=seed,
                                   allow_weak_seed=True, progress=False, overwrite=True)
                 print(f"obfuscated {preset} seed {seed} in {time.monotonic() - t0:.0f} s", flush=True)
             models[f"{preset}-s{seed}"] = (d / "server", aloepri.load_key(d / "client.key"))
@@ -317,7 +323,7 @@ def main() -> None:
         study["massive_dims"] = {"dims": massive, "energy_share": round(share, 4)}
         # obfuscated models as served, and the plaintext rewritten one mechanism at a time
         subjects = [(n, lambda n=n: AutoModelForCausalLM.from_pretrained(str(models[n][0]), dtype=torch.float32).eval(),
-                     models[n][1]) for n in ["plain"] + [f"{p}-s{a.seeds[0]}" for p in a.presets]]
+                     models[n][1]) for n in ["plain"] + [f"{label}-s{a.seeds[0]}" for label, _ in variants]]
         subjects += [(f"plain-{v}", lambda v=v: rotated_plaintext(work / "plain", v, massive), None)
                      for v in ("fold", "fold+rotate", "fold+rotate-keep")]
         for qtype in a.diagnose:

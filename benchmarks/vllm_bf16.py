@@ -32,6 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import parse_variant  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "vllm_bf16.json"
 
@@ -196,19 +199,6 @@ def transformers_scores(model_dir: Path, dtype: str, seqs, reply_starts, perm, r
                 logits = logits[:, torch.from_numpy(perm)]
             out.append(score(np.load(ref_dir / f"ref{i}.npy"), logits.numpy(), rs))
     return out
-
-
-def parse_variant(text: str):
-    """``exact`` or ``LABEL=PRESET:key=value,key=value`` (an ablation): (label, ObfuscationParams)."""
-    import aloepri
-
-    label, _, spec = text.partition("=") if "=" in text.split(":")[0] else (text, "", text)
-    preset, _, over = spec.partition(":")
-    overrides = {}
-    for item in filter(None, over.split(",")):
-        k, _, v = item.partition("=")
-        overrides[k] = float(v) if "." in v or "e" in v else int(v)
-    return label, aloepri.resolve_params(preset, **overrides)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ class LayerContext:
     params: ObfuscationParams
     has_qkv_bias: bool
     put: Put
+    reader_norms: dict[str, Any]  # "attn_norm"/"ffn_norm" -> the RMSNorm weight its readers fold (split_norm_weight)
 
 
 def linear_flops(D: int, *weights: torch.Tensor) -> float:
@@ -71,7 +72,7 @@ class GQAAttention:
             w["k_norm"] = source.get("k_norm", i)
         flops = linear_flops(secrets.hidden_size, *(w[r] for r in ("q", "k", "v", "o")))
         attn = obfuscate_attention(
-            w, source.get("attn_norm", i), secrets.reader_Q("q", i), secrets.reader_Q("k", i),
+            w, ctx.reader_norms["attn_norm"], secrets.reader_Q("q", i), secrets.reader_Q("k", i),
             secrets.reader_Q("v", i), secrets.writer_P("o", i), secrets.attention(i), shape.num_heads,
             shape.num_kv_heads, shape.head_dim,
         )
@@ -106,7 +107,7 @@ class MLAAttention:
         flops = linear_flops(secrets.hidden_size, *(w[r] for r in ("q_a", "q", "kv_a", "o") if r in w))
         q_reader = "q_a" if "q_a" in w else "q"
         attn = obfuscate_mla(
-            w, source.get("attn_norm", i), secrets.reader_Q(q_reader, i), secrets.reader_Q("kv_a", i),
+            w, ctx.reader_norms["attn_norm"], secrets.reader_Q(q_reader, i), secrets.reader_Q("kv_a", i),
             secrets.writer_P("o", i), secrets.mla(i), shape.num_heads, shape.qk_nope_head_dim,
             shape.qk_rope_head_dim, shape.v_head_dim, shape.kv_lora_rank,
         )
@@ -135,7 +136,7 @@ def swiglu_block(ctx: LayerContext, i: int, size: int, label: str, roles: tuple[
     gate, up, down = (source.get(r, i, expert=expert, dtype=None) for r in roles)  # float64 after the gather
     labels = (label, i) if expert is None else (label, i, expert)
     perm, scale = secrets.ffn(size, *labels)
-    g, u, dn = obfuscate_mlp(gate, up, down, source.get("ffn_norm", i), secrets.reader_Q(gate_r, *labels[1:]),
+    g, u, dn = obfuscate_mlp(gate, up, down, ctx.reader_norms["ffn_norm"], secrets.reader_Q(gate_r, *labels[1:]),
                              secrets.reader_Q(up_r, *labels[1:]), secrets.writer_P(down_r, *labels[1:]), perm, scale)
     put(gate_r, g, expert=slot)
     put(up_r, u, expert=slot)
@@ -158,7 +159,7 @@ class MoEFeedForward:
         n = source.num_experts
         groups = int(cfg.get(moe.expert_groups_key) or 1) if moe.expert_groups_key else 1
         order = secrets.expert_order(i, n, groups)
-        ffn_norm = source.get("ffn_norm", i)
+        ffn_norm = ctx.reader_norms["ffn_norm"]
         router = source.get("router", i)
         put("router", obfuscate_router(router, ffn_norm, secrets.reader_Q("router", i), order,
                                        normalize=params.router_normalize))

@@ -23,7 +23,7 @@ from .checkpoint import (AtomicOutputDir, CheckpointError, ShardedWriter, Source
                          open_checkpoint)
 from .params import ObfuscationParams
 from .secrets import ModelShape, SecretSampler, effective_h, resolve_seed
-from .transforms import obfuscate_embedding, obfuscate_head, padded_rope_theta
+from .transforms import obfuscate_embedding, obfuscate_head, padded_rope_theta, split_norm_weight
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -212,7 +212,6 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
             idx = secrets.rng("kappa-calibration").choice(embed.shape[0], size=min(4096, embed.shape[0]), replace=False)
             calib = embed[torch.from_numpy(np.sort(idx))].to(torch.float64).numpy()
         kappa = secrets.kappa(calib)
-        norm_const = torch.full((D,), kappa, dtype=out_dtype)
         f_embed, f_head = noise_factors if noise_factors is not None else (None, None)
         e_obf = obfuscate_embedding(embed, vocab_perm, secrets.writer_P("embed"), params.alpha_e,
                                     secrets.rng("noise", "embed"), out_dtype, params.noise_shape,
@@ -222,19 +221,21 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         writer.add("model.embed_tokens.weight", e_obf)
         head_plain = embed if source.tied_embeddings else source.get("head", dtype=None)
         del embed, e_obf
-        h_obf = obfuscate_head(head_plain, source.get("final_norm"), vocab_perm, secrets.reader_Q("head"),
+        final_server_norm, final_reader_norm = split_norm_weight(source.get("final_norm"), kappa,
+                                                                 secrets.kept_columns, D)
+        h_obf = obfuscate_head(head_plain, final_reader_norm, vocab_perm, secrets.reader_Q("head"),
                                params.alpha_h, secrets.rng("noise", "head"), out_dtype, params.noise_shape,
                                f_head if params.alpha_h > 0 else None)
         flops += 2.0 * head_plain.shape[0] * shape.d * D
         fingerprint_update(fp, "lm_head.weight", h_obf)
         writer.add("lm_head.weight", h_obf)
-        writer.add("model.norm.weight", norm_const.clone())
+        writer.add("model.norm.weight", final_server_norm.to(out_dtype))
         del head_plain, h_obf
         steps.update(2)
 
         has_qkv_bias = source.has("q", 0, "bias")
         for i in range(shape.num_layers):
-            flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, norm_const, has_qkv_bias, spec,
+            flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, kappa, has_qkv_bias, spec,
                                       params)
             steps.update(1)
         steps.close()
@@ -300,7 +301,7 @@ def _has_role(source: SourceCheckpoint, role: str, layer: int) -> bool:
 
 
 def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: SecretSampler, i: int,
-                     shape: ModelShape, out_dtype: torch.dtype, norm_const: torch.Tensor, has_qkv_bias: bool,
+                     shape: ModelShape, out_dtype: torch.dtype, kappa: float, has_qkv_bias: bool,
                      spec: ArchSpec, params: ObfuscationParams) -> float:
     """One decoder layer: its attention block, then its feed-forward block, each by the strategy of its kind
     (blocks.py). Returns FLOPs."""
@@ -311,9 +312,12 @@ def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: S
         name = prefix + names[role].format(e=expert)
         writer.add(name + f".{part}" if role in LINEAR_ROLES else name, tensor.to(out_dtype))
 
-    ctx = LayerContext(source, secrets, shape, spec, params, has_qkv_bias, put)
+    norms = {role: split_norm_weight(source.get(role, i), kappa, secrets.kept_columns, secrets.hidden_size)
+             for role in ("attn_norm", "ffn_norm")}
+    ctx = LayerContext(source, secrets, shape, spec, params, has_qkv_bias, put,
+                       reader_norms={role: reader for role, (_, reader) in norms.items()})
     flops = attention_kind(spec).obfuscate(ctx, i)
-    writer.add(prefix + "input_layernorm.weight", norm_const.clone())
+    writer.add(prefix + "input_layernorm.weight", norms["attn_norm"][0].to(out_dtype))
     flops += feed_forward_kind(source, i).obfuscate(ctx, i)
-    writer.add(prefix + "post_attention_layernorm.weight", norm_const.clone())
+    writer.add(prefix + "post_attention_layernorm.weight", norms["ffn_norm"][0].to(out_dtype))
     return flops

@@ -102,6 +102,11 @@ class SecretSampler:
         return keymat.derive_rng(self.seed, *labels)
 
     @property
+    def kept_columns(self) -> dict[int, int]:
+        """Kept residual dimension -> the one server coordinate it maps to (row i of Z is one-hot there)."""
+        return {int(i): int(np.flatnonzero(self.base.Z[i])[0]) for i in self.base.kept}
+
+    @property
     def hidden_size(self) -> int:
         return self.shape.d + 2 * self.h
 

@@ -33,6 +33,25 @@ def transform_reader_input(weight: Tensor, norm_weight: Tensor | None, Q: np.nda
     return weight @ right
 
 
+def split_norm_weight(norm_weight: Tensor, kappa: float, kept_columns: dict[int, int], width: int
+                      ) -> tuple[Tensor, Tensor]:
+    """An RMSNorm weight (d,) -> (the server's norm weight (D,), the weight its readers fold in (d,)).
+
+    diag(w) does not commute with the key's mixing, so a mixed dimension's weight is folded into the readers and
+    the server's norm weight is the constant kappa there. A kept dimension i reaches the server as one coordinate
+    j = kept_columns[i] (P e_i = +-s e_j), so its weight can stay on the server's norm (kappa w_i at j, readers
+    fold 1): the products are unchanged, and the activation the readers get is scaled as in plaintext. That
+    matters for 8-bit activation rounding, because a massive-activation dimension usually has a tiny norm weight
+    (docs/serving-gguf.md)."""
+    server = torch.full((width,), float(kappa), dtype=torch.float64)
+    reader = norm_weight.to(torch.float64).clone()
+    if kept_columns:
+        dims = torch.tensor(sorted(kept_columns), dtype=torch.long)
+        server[torch.tensor([kept_columns[int(i)] for i in dims])] = float(kappa) * reader[dims]
+        reader[dims] = 1.0
+    return server, reader
+
+
 def transform_writer_output(weight: Tensor, P: np.ndarray) -> Tensor:
     """A linear layer that writes into the residual stream: W~ = W P  ->  HF layout (D, in) = P^T W_hf."""
     return _t(P).T @ weight
