@@ -8,6 +8,8 @@ against plaintext float32 on vLLM. Reported per (model, engine, dtype):
 
 - top1: fraction of positions whose argmax equals plaintext float32's;
 - kl: mean KL(plaintext float32 || model) in nats, over all positions and over the reply positions;
+- self_top1 / self_kl (vLLM): the same against the model's own float32 vLLM run (what the rounding alone costs,
+  which for a noisy preset such as `default` removes its float32 noise floor; float32 runs first);
 - greedy_agree: mean number of reply tokens a free-running greedy decode reproduces before its first difference
   (exact: before the first teacher-forced argmax difference the free-running context is the same text).
 
@@ -130,14 +132,21 @@ def worker(jobs_path: str) -> None:
             result["hook_vs_prompt_logprobs_max_abs"] = max_dev
         else:
             perm = None if job["perm"] is None else torch.tensor(np.load(job["perm"]))
-            per_seq = []
+            per_seq, self_per_seq = [], []
+            own = Path(job["self_dir"])  # this model's own float32 log-probs: what the rounding alone costs
             for i, (seq, rs) in enumerate(zip(job["seqs"], job["reply_starts"])):
                 rows, _ = full_logits(seq)
                 if perm is not None:
                     rows = rows[:, perm]  # column j = the model's logit for plaintext token j
                 ref = np.load(Path(job["ref_dir"]) / f"ref{i}.npy")
                 per_seq.append(score(ref, rows.numpy(), rs))
+                if job["dtype"] == "float32":
+                    np.save(own / f"self{i}.npy", torch.log_softmax(rows.double(), -1).float().numpy())
+                elif (own / f"self{i}.npy").exists():
+                    self_per_seq.append(score(np.load(own / f"self{i}.npy"), rows.numpy(), rs))
             result["per_seq"] = per_seq
+            if self_per_seq:
+                result["self_per_seq"] = self_per_seq
         result["score_seconds"] = round(time.monotonic() - t1, 1)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))
@@ -282,12 +291,14 @@ def main() -> None:
         jobs = []
         for name, (d, key) in models.items():
             enc = seqs if key is None else [key.encode_ids(s) for s in seqs]
-            for dt in a.dtypes:
+            own = work / "self" / name
+            own.mkdir(parents=True, exist_ok=True)
+            for dt in sorted(a.dtypes, key=lambda t: t != "float32"):  # float32 first: the others' own reference
                 if f"vllm/{name}/{dt}" in report["results"]:
                     continue
                 jobs.append({"mode": "test", "model": str(d), "dtype": dt, "seqs": enc, "reply_starts": reply_starts,
                              "perm": None if key is None else str(d.parent / "perm.npy"), "ref_dir": str(work / "ref"),
-                             "out": str(work / "res" / f"vllm-{name}-{dt}.json"), "name": name})
+                             "self_dir": str(own), "out": str(work / "res" / f"vllm-{name}-{dt}.json"), "name": name})
         if jobs:
             try:
                 run_worker(vpy, jobs, work, a.threads)
@@ -295,8 +306,10 @@ def main() -> None:
                 for j in jobs:
                     if Path(j["out"]).exists():
                         r = json.loads(Path(j["out"]).read_text())
+                        own = {f"self_{k}": v for k, v in pool(r["self_per_seq"]).items()
+                               if k in ("top1", "kl", "reply_kl")} if "self_per_seq" in r else {}
                         report["results"][f"vllm/{j['name']}/{j['dtype']}"] = {
-                            **pool(r["per_seq"]), "load_seconds": r["load_seconds"],
+                            **pool(r["per_seq"]), **own, "load_seconds": r["load_seconds"],
                             "score_seconds": r["score_seconds"]}
                 save()
     if "transformers" in a.engines:
@@ -330,7 +343,8 @@ def main() -> None:
     save()
     for k, v in report["results"].items():
         print(f"{k:36s} top1 {v['top1']:.4f}  kl {v['kl']:.5f}  reply top1 {v['reply_top1']:.4f}  "
-              f"reply kl {v['reply_kl']:.5f}  greedy {v['greedy_agree_mean']:5.1f} ({v['greedy_identical']})")
+              f"reply kl {v['reply_kl']:.5f}  greedy {v['greedy_agree_mean']:5.1f} ({v['greedy_identical']})"
+              + (f"  | vs own f32: top1 {v['self_top1']:.4f} kl {v['self_kl']:.5f}" if "self_kl" in v else ""))
 
 
 if __name__ == "__main__":
