@@ -43,9 +43,10 @@ class ObfuscationParams:
                        It changes which experts are chosen (docs/moe-mla.md), so it is off: the exact variant
     outlier_dims       residual dimensions (the massive-activation ones, found from the public weights: largest
                        down_proj rows) that the key maps to one signed coordinate each at a random place instead of
-                       mixing them into all: keeps bf16 rounding of the residual stream as in plaintext (docs/
-                       serving.md, bf16). The server then sees those few coordinates' values, which are a known
-                       property of the public model (docs/security.md, "Outlier dimensions"). 0 = mix everything
+                       mixing them into all, their RMSNorm weights left on the server's norm: keeps bf16 and
+                       8-bit rounding of the residual stream as in plaintext (docs/serving.md, bf16; docs/
+                       serving-gguf.md). The server then sees those few coordinates' values and norm weights, a
+                       known property of the public model (docs/security.md, "Outlier dimensions"). 0 = mix all
     """
 
     alpha_e: float = 0.0
@@ -183,9 +184,10 @@ def _range_problems(p: "ObfuscationParams") -> list[str]:
 # `exact`: no noise, orthogonal B, no C/E energy, no block permutation. Logits match plaintext to float
 # rounding. It does NOT hide the vocabulary permutation from weight-matching attacks: with no noise the
 # permuted embedding is an isometric image of the public one and row-sorting recovers the permutation.
-# outlier_dims=4 keeps the massive-activation dimensions out of the key's mixing: it puts bf16 serving on vLLM
-# within plaintext bf16's own loss (KL 0.00136 for two keys vs plaintext 0.00147; 0.00213-0.00239 without it;
-# docs/serving.md "bf16"), and costs nothing this preset had: its vocabulary is open to weight matching anyway.
+# outlier_dims=4 keeps the massive-activation dimensions out of the key's mixing: bf16 on vLLM at plaintext
+# bf16's own loss (KL 0.00135-0.00137 on three keys, 0.00198 on a fourth, vs plaintext 0.00147; 0.00213-0.00239
+# without it; docs/serving.md "bf16") and llama.cpp q8_0 below plaintext q8_0's (0.86-0.91x; 1.45x without;
+# docs/serving-gguf.md). It costs nothing this preset had: its vocabulary is open to weight matching anyway.
 EXACT = ObfuscationParams(outlier_dims=4)
 
 # `paper`: the paper's Table "Privacy hyperparameter settings" (alpha_e=1.0, alpha_h=0.2, lambda=0.3, h=128,
@@ -200,7 +202,11 @@ PAPER = ObfuscationParams(alpha_e=1.0, alpha_h=0.2, lam=0.3, h=128, beta=8, gamm
 # h=0: no expansion. The width bought nothing measurable (benchmarks/expansion_sweep.py, docs/expansion.md: the
 # hidden-state attack recovers 100% of prompt tokens at every h; accuracy is the same) and costs D/d per token
 # (1.50x at SmolLM2's former h=144; docs/serving.md "Served cost"). With h=0 there is no C/E block to fill.
-DEFAULT = ObfuscationParams(alpha_e=0.1, alpha_h=0.05, lam=0.1, h=0, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0)
+# outlier_dims=4 as in `exact`: what bf16 rounding adds to its own float32 output on vLLM falls from 1.7-3.3x to
+# 1.4-1.7x plaintext bf16's (four keys), q8_0's on llama.cpp from 1.5-1.8x to 1.1x plaintext q8_0's (two keys),
+# float32 accuracy unchanged (docs/serving.md "bf16"); its vocabulary is open to weight matching anyway.
+DEFAULT = ObfuscationParams(alpha_e=0.1, alpha_h=0.05, lam=0.1, h=0, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0,
+                            outlier_dims=4)
 
 PRESETS: dict[str, ObfuscationParams] = {"exact": EXACT, "default": DEFAULT, "paper": PAPER}
 
