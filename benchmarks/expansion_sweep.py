@@ -142,6 +142,7 @@ def main() -> None:
                 entry.update(model=args.model, preset=preset, h_requested=h_req, h_effective=h_eff,
                              hidden_size=d + 2 * h_eff, plain_hidden_size=d, seconds=time.perf_counter() - t0,
                              victim=f"{args.prompts} Faker PII prompts, seed 7", obfuscation_seed=4242,
+                             params=aloepri.resolve_params(preset, h=h_eff).to_dict(),
                              time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
                 _save(k, entry)
                 shown = (f"top1={entry['top1_agreement']:.3f}" if attack == "fidelity"
