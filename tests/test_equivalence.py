@@ -1,5 +1,6 @@
 """One parametrised equivalence test per architecture: exact preset, tiny random float64 models, stock classes."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,12 +18,29 @@ EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "llama_bias": "LlamaForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM"}
 
 
+def _restore_float64(model, path: Path) -> None:
+    """transformers >= 5.24 keeps MoE router weights (and DeepSeek-V3's score bias) in float32 whatever dtype is
+    asked for; reload such tensors from the float64 checkpoint, or the float32 rounding of the router would hide
+    the obfuscation's own float64 error."""
+    from safetensors.torch import load_file
+
+    stored = {}
+    for f in path.glob("*.safetensors"):
+        stored.update(load_file(str(f)))
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    for name, t in tensors.items():
+        if t.dtype != torch.float64 and t.is_floating_point() and name in stored:
+            t.data = stored[name].to(torch.float64)
+
+
 def load64(path, arch):
     """float64 through the stock class; MoE experts with the eager kernel (the grouped-mm one has no float64),
     RoPE frequencies recomputed in float64 (stock code computes them in float32, which would hide the obfuscation's
     own error below float32 rounding of theta^x -- relevant where head padding changes theta)."""
     extra = {"experts_implementation": "eager"} if arch in MOE_ARCHS else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **extra).eval()
+    _restore_float64(model, Path(path))
     rope = model.model.rotary_emb
     params = model.config.rope_parameters or {}
     if params.get("rope_type", "default") == "default":
