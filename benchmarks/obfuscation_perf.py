@@ -6,6 +6,10 @@ product, including the embedding and the head (ObfuscationResult.flops). Not cou
 inverses, the per-reader Q), the per-head dh x dh maps, noise, dequantization, hashing, writing -- those are
 overhead the ratio has to absorb, so the fraction is of the WHOLE obfuscation wall time.
 
+The output is float32 (the GGUF sources' default), so the products run in float32 (pipeline.product_dtype; error
+budget: benchmarks/product_precision.py). The fraction is reported against the float64 roofline (issue 16's
+measure) and, for honesty, against the float32 matmul rate probed before and after the run.
+
 Roofline: a float64 (2048 x 2048) @ (2048 x 2048) torch matmul with the same torch thread count, run in the child
 process before the obfuscation, after it, before the embedding and the head and between decoder layers (every
 ``--probe-every`` layers; the probes' time is taken out of the obfuscation's wall time). The machine is shared, so the probes sample the same load the
@@ -47,6 +51,14 @@ _a, _b = torch.randn(N, N, dtype=torch.float64), torch.randn(N, N, dtype=torch.f
 _c = torch.empty(N, N, dtype=torch.float64)
 torch.matmul(_a, _b, out=_c)  # warm-up
 probes = []  # (seconds, GFLOP/s)
+_a32, _b32, _c32 = _a.float(), _b.float(), _c.float()
+probes32 = []  # float32 rate, before and after only: the products run in float32 for float32 outputs
+
+def probe32():
+    torch.matmul(_a32, _b32, out=_c32)
+    t = time.perf_counter()
+    torch.matmul(_a32, _b32, out=_c32)
+    probes32.append(2.0 * N**3 / (time.perf_counter() - t) / 1e9)
 
 def probe(reps=1):
     t = time.perf_counter()
@@ -114,6 +126,7 @@ def vm_hwm_kib():
 
 for _ in range(2):
     probe()
+    probe32()
 rss_before = vm_hwm_kib()
 load_before = os.getloadavg()[0]
 t = time.perf_counter()
@@ -122,13 +135,15 @@ res = obfuscate(src, Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", reso
 wall = time.perf_counter() - t - probe_seconds[0]
 for _ in range(2):
     probe()
+    probe32()
 phase["layer_products"] = phase.get("layer_products", 0.0)  # probes ran inside no phase
 phase["other"] = wall - sum(phase.values())
 rates = [r for _, r in probes]
 print(json.dumps({"src": src.name, "src_bytes": src.stat().st_size, "wall_seconds": wall, "flops": res.flops,
                   "output_bytes": res.bytes_written, "hidden_size": res.hidden_size, "h": res.h,
                   "rss_before_kib": rss_before, "peak_rss_kib": vm_hwm_kib(), "phase_seconds": phase,
-                  "roofline_probe_gflops": rates, "loadavg_1min": [load_before, os.getloadavg()[0]],
+                  "roofline_probe_gflops": rates, "float32_probe_gflops": probes32,
+                  "product_dtype": str(getattr(pipeline, "product_dtype", lambda *_: torch.float64)(torch.float32, resolve_params(sys.argv[3]))), "loadavg_1min": [load_before, os.getloadavg()[0]],
                   "torch_threads": torch.get_num_threads()}))
 """
 
@@ -194,6 +209,9 @@ def run_model(model: str, preset: str, threads: int, probe_every: int) -> dict:
     r["roofline_gflops_min_max"] = [rates[0], rates[-1]]
     r["gflops_achieved"] = r["flops"] / r["wall_seconds"] / 1e9
     r["fraction_of_roofline"] = r["gflops_achieved"] / r["roofline_gflops"]
+    if r.get("float32_probe_gflops"):
+        r["float32_roofline_gflops"] = sum(r["float32_probe_gflops"]) / len(r["float32_probe_gflops"])
+        r["fraction_of_float32_roofline"] = r["gflops_achieved"] / r["float32_roofline_gflops"]
     r["matmul_seconds_at_roofline"] = r["flops"] / (r["roofline_gflops"] * 1e9)
     r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
     r["baseline_rss_mib"] = r["rss_before_kib"] / 1024
@@ -228,7 +246,9 @@ def main() -> None:
         print(f"{a.label}/{m}: {r['wall_seconds']:.1f} s wall, {r['flops'] / 1e9:.0f} GFLOP -> "
               f"{r['gflops_achieved']:.1f} GFLOP/s = {r['fraction_of_roofline']:.2f} of the float64 matmul roofline "
               f"{r['roofline_gflops']:.1f} GFLOP/s (same process, {a.threads} threads, probes "
-              f"{r['roofline_gflops_min_max'][0]:.1f}-{r['roofline_gflops_min_max'][1]:.1f}); peak RSS "
+              f"{r['roofline_gflops_min_max'][0]:.1f}-{r['roofline_gflops_min_max'][1]:.1f}); "
+              f"{r['fraction_of_float32_roofline']:.2f} of the float32 rate {r['float32_roofline_gflops']:.1f} "
+              f"(products in {r['product_dtype']}); peak RSS "
               f"{r['peak_rss_mib']:.0f} MiB (imports {r['baseline_rss_mib']:.0f} MiB), output {r['output_mib']:.0f} MiB;"
               f" load {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}\n  phases: {ph}", flush=True)
     print(f"wrote {RESULTS}")

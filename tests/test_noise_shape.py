@@ -58,7 +58,8 @@ def test_shaped_noise_has_isotropic_energy_and_avoids_sensitive_directions(weigh
         predicted = float(u @ f @ f.T @ u).__pow__(0.5)
         assert float((shaped @ u).std()) / float((iso @ u).std()) == pytest.approx(predicted, rel=0.1)
     assert float((shaped @ vec[:, -1]).std()) < 0.2 * float((iso @ vec[:, -1]).std())
-    assert float((shaped @ vec[:, 0]).std()) > 2 * float((iso @ vec[:, 0]).std())
+    # predicted 1.98x here: a margin for the sampling error of 6000 draws (the old "> 2x" passed by one stream's luck)
+    assert float((shaped @ vec[:, 0]).std()) > 1.5 * float((iso @ vec[:, 0]).std())
 
 
 def test_shaped_noise_is_deterministic_under_a_seed(weight, sensitivity):

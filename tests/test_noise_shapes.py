@@ -23,7 +23,10 @@ def _noise(weight, shape):
 @pytest.mark.parametrize("shape", ["isotropic", "column", "row"])
 def test_every_shape_has_the_paper_noise_energy(weight, shape):
     target = 0.5 * float(weight.std())
-    assert float(_noise(weight, shape).pow(2).mean().sqrt()) == pytest.approx(target, rel=0.03)
+    # row noise follows the fixture's log-normal row norms, so one draw's energy spreads more: sd 2.2% over 20
+    # seeds (isotropic 0.35%, column 0.47%), mean 0.997 of the target; 8% is ~3.6 sd
+    rel = 0.08 if shape == "row" else 0.03
+    assert float(_noise(weight, shape).pow(2).mean().sqrt()) == pytest.approx(target, rel=rel)
 
 
 def test_column_noise_follows_column_spread_and_row_noise_follows_row_norm(weight):

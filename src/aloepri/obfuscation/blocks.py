@@ -31,6 +31,7 @@ class LayerContext:
     has_qkv_bias: bool
     put: Put
     reader_norms: dict[str, Any]  # "attn_norm"/"ffn_norm" -> the RMSNorm weight its readers fold (split_norm_weight)
+    compute_dtype: torch.dtype = torch.float64  # dtype of the big products (pipeline.product_dtype)
 
 
 def linear_flops(D: int, *weights: torch.Tensor) -> float:
@@ -65,7 +66,7 @@ class GQAAttention:
 
     def obfuscate(self, ctx: LayerContext, i: int) -> float:
         source, secrets, shape, spec = ctx.source, ctx.secrets, ctx.shape, ctx.spec
-        w = {r: source.get(r, i) for r in ("q", "k", "v", "o")}
+        w = {r: source.get(r, i, dtype=ctx.compute_dtype) for r in ("q", "k", "v", "o")}
         w.update(_biases(source, i, ("q", "k", "v", "o")))
         if spec.qk_norm:
             w["q_norm"] = source.get("q_norm", i)
@@ -133,11 +134,12 @@ def swiglu_block(ctx: LayerContext, i: int, size: int, label: str, roles: tuple[
     A routed expert is read under its stored index ``expert`` and written into its new ``slot``."""
     source, secrets, put = ctx.source, ctx.secrets, ctx.put
     gate_r, up_r, down_r = roles
-    gate, up, down = (source.get(r, i, expert=expert, dtype=None) for r in roles)  # float64 after the gather
+    gate, up, down = (source.get(r, i, expert=expert, dtype=None) for r in roles)  # converted after the gather
     labels = (label, i) if expert is None else (label, i, expert)
     perm, scale = secrets.ffn(size, *labels)
     g, u, dn = obfuscate_mlp(gate, up, down, ctx.reader_norms["ffn_norm"], secrets.reader_Q(gate_r, *labels[1:]),
-                             secrets.reader_Q(up_r, *labels[1:]), secrets.writer_P(down_r, *labels[1:]), perm, scale)
+                             secrets.reader_Q(up_r, *labels[1:]), secrets.writer_P(down_r, *labels[1:]), perm, scale,
+                             ctx.compute_dtype)
     put(gate_r, g, expert=slot)
     put(up_r, u, expert=slot)
     put(down_r, dn, expert=slot)

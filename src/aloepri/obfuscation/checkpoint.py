@@ -278,8 +278,14 @@ def _dequantize(t) -> np.ndarray:
     raw = raw.reshape(-1, raw.shape[-1])
     out = np.empty((raw.shape[0], raw.shape[1] // quant.type_size * quant.block_size), dtype=np.float32)
     step = max(1, (1 << 19) // raw.shape[1])  # ~0.5 MB of blocks per call: temporaries stay in cache
-    for start in range(0, raw.shape[0], step):
+
+    def rows(start: int) -> None:
         out[start: start + step] = decode(raw[start: start + step])
+
+    # numpy releases the GIL inside the decoders' array operations, so row groups decode in parallel on torch's
+    # thread count (the same cores the products use; nothing else runs meanwhile)
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        list(pool.map(rows, range(0, raw.shape[0], step)))
     return out.reshape(*t.data.shape[:-1], out.shape[-1])
 
 

@@ -108,6 +108,14 @@ def _special_ids(src: SourceCheckpoint) -> dict[str, Any]:
     return out
 
 
+def product_dtype(out_dtype: torch.dtype, params: ObfuscationParams) -> torch.dtype:
+    """The dtype the weight products run in. float64 for a float64 output and for a noiseless (``is_exact``)
+    preset, whose purpose is exactness: float32 products double its float32 logit error on Qwen2.5-Coder-0.5B.
+    float32 otherwise, about twice as fast: its rounding (1e-7 relative) is six orders below the noise the
+    preset adds (docs/performance.md, "Precision"; benchmarks/product_precision.py)."""
+    return torch.float64 if out_dtype == torch.float64 or params.is_exact else torch.float32
+
+
 def check_key_matrix_memory(shape: ModelShape, params: ObfuscationParams) -> None:
     """Refuse an expansion h whose (d+2h)^2 float64 key matrices cannot fit in memory, before sampling them
     (otherwise a MemoryError, or the OOM killer, arrives after minutes of work)."""
@@ -190,6 +198,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         src_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         dtype = src_dtype if src_dtype in _DTYPES else "float32"
     out_dtype = _DTYPES[dtype]
+    compute_dtype = product_dtype(out_dtype, params)
     check_key_matrix_memory(shape, params)
 
     if params.outlier_dims >= shape.d:  # before the extra pass over the feed-forward weights
@@ -215,7 +224,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         f_embed, f_head = noise_factors if noise_factors is not None else (None, None)
         e_obf = obfuscate_embedding(embed, vocab_perm, secrets.writer_P("embed"), params.alpha_e,
                                     secrets.rng("noise", "embed"), out_dtype, params.noise_shape,
-                                    f_embed if params.alpha_e > 0 else None)
+                                    f_embed if params.alpha_e > 0 else None, compute_dtype)
         flops += 2.0 * embed.shape[0] * shape.d * D
         fingerprint_update(fp, "model.embed_tokens.weight", e_obf)
         writer.add("model.embed_tokens.weight", e_obf)
@@ -225,7 +234,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
                                                                  secrets.kept_columns, D)
         h_obf = obfuscate_head(head_plain, final_reader_norm, vocab_perm, secrets.reader_Q("head"),
                                params.alpha_h, secrets.rng("noise", "head"), out_dtype, params.noise_shape,
-                               f_head if params.alpha_h > 0 else None)
+                               f_head if params.alpha_h > 0 else None, compute_dtype)
         flops += 2.0 * head_plain.shape[0] * shape.d * D
         fingerprint_update(fp, "lm_head.weight", h_obf)
         writer.add("lm_head.weight", h_obf)
@@ -236,7 +245,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         has_qkv_bias = source.has("q", 0, "bias")
         for i in range(shape.num_layers):
             flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, kappa, has_qkv_bias, spec,
-                                      params)
+                                      params, compute_dtype)
             steps.update(1)
         steps.close()
         writer.finish()
@@ -302,7 +311,7 @@ def _has_role(source: SourceCheckpoint, role: str, layer: int) -> bool:
 
 def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: SecretSampler, i: int,
                      shape: ModelShape, out_dtype: torch.dtype, kappa: float, has_qkv_bias: bool,
-                     spec: ArchSpec, params: ObfuscationParams) -> float:
+                     spec: ArchSpec, params: ObfuscationParams, compute_dtype: torch.dtype = torch.float64) -> float:
     """One decoder layer: its attention block, then its feed-forward block, each by the strategy of its kind
     (blocks.py). Returns FLOPs."""
     prefix = f"model.layers.{i}."
@@ -315,7 +324,7 @@ def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: S
     norms = {role: split_norm_weight(source.get(role, i), kappa, secrets.kept_columns, secrets.hidden_size)
              for role in ("attn_norm", "ffn_norm")}
     ctx = LayerContext(source, secrets, shape, spec, params, has_qkv_bias, put,
-                       reader_norms={role: reader for role, (_, reader) in norms.items()})
+                       reader_norms={role: reader for role, (_, reader) in norms.items()}, compute_dtype=compute_dtype)
     flops = attention_kind(spec).obfuscate(ctx, i)
     writer.add(prefix + "input_layernorm.weight", norms["attn_norm"][0].to(out_dtype))
     flops += feed_forward_kind(source, i).obfuscate(ctx, i)

@@ -1,4 +1,9 @@
-"""Covariant weight transforms, named by the role of the weight. Pure tensor-in/tensor-out, float64.
+"""Covariant weight transforms, named by the role of the weight. Pure tensor-in/tensor-out.
+
+Precision: a transform computes in the dtype of the weight it is given (the keys, float64 numpy arrays, are
+converted to it after any small float64 factor is formed). float64 keeps ``exact`` to float64 rounding; the pipeline
+hands float32 weights only where its output is stored in 32 bits or fewer and the error of a float32 product
+has been measured to stay far below what storing the result costs (docs/performance.md, "Precision").
 
 Layout: weights are in the Hugging Face ``nn.Linear`` layout (out_features, in_features), ``y = x W^T + b``.
 Hidden states are row vectors; the obfuscated residual stream is ``x @ P`` (P: d x D, D = d + 2h) and a
@@ -6,6 +11,7 @@ reader recovers ``x`` with ``Q`` (D x d), ``P @ Q = I``.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,8 +20,9 @@ import torch
 Tensor = torch.Tensor
 
 
-def _t(a: np.ndarray | Tensor) -> Tensor:
-    return a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+def _t(a: np.ndarray | Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    t = a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+    return t if dtype is None else t.to(dtype)
 
 
 # --- residual-stream readers and writers ---------------------------------------------------------------
@@ -25,12 +32,13 @@ def transform_reader_input(weight: Tensor, norm_weight: Tensor | None, Q: np.nda
     """A linear layer that reads the (normalised) residual stream: fuse the RMSNorm weight, then undo P.
 
     Math: W~ = Q diag(w) W  ->  HF layout (out, D) = W_hf diag(w) Q^T. diag(w) is applied to Q^T (d x D), not to
-    the weight: one small scaling instead of a copy of the weight.
+    the weight: one small scaling instead of a copy of the weight, formed in float64 and then converted to the
+    weight's dtype.
     """
     right = _t(Q).T
     if norm_weight is not None:
-        right = norm_weight[:, None] * right
-    return weight @ right
+        right = norm_weight.to(right.dtype)[:, None] * right
+    return weight @ right.to(weight.dtype)
 
 
 def split_norm_weight(norm_weight: Tensor, kappa: float, kept_columns: dict[int, int], width: int
@@ -54,11 +62,11 @@ def split_norm_weight(norm_weight: Tensor, kappa: float, kept_columns: dict[int,
 
 def transform_writer_output(weight: Tensor, P: np.ndarray) -> Tensor:
     """A linear layer that writes into the residual stream: W~ = W P  ->  HF layout (D, in) = P^T W_hf."""
-    return _t(P).T @ weight
+    return _t(P, weight.dtype).T @ weight
 
 
 def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
-    return bias @ _t(P)
+    return bias @ _t(P, bias.dtype)
 
 
 # --- embedding and head --------------------------------------------------------------------------------
@@ -99,61 +107,91 @@ def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor,
 def _permute_noise_project(
     weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float, rng: np.random.Generator,
     out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192, noise_shape: str = "isotropic",
-    noise_factor: Tensor | None = None,
+    noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64,
 ) -> Tensor:
     """Rows of a vocabulary matrix (n, d): permute, add alpha-scaled Gaussian noise (shaped by ``noise_shape``,
-    see _noise_profile), scale columns, multiply by ``right`` (d, D). Float64 chunk by chunk, so memory stays
-    bounded by the input and output."""
+    see _noise_profile), scale columns, multiply by ``right`` (d, D). Chunk by chunk in ``compute_dtype``, so
+    memory stays bounded by the input and output.
+
+    Drawing the noise costs more than the product, so every chunk has its own generator (seeded from ``rng``: the
+    result still depends on ``rng`` alone) and the next chunks are drawn by worker threads while the current one
+    is multiplied; numpy's generators release the GIL. The draws are float32 whatever the compute dtype (a
+    float32 Gaussian is as random as a float64 one, half the memory traffic, and the same noise either way)."""
     n, d = weight.shape
     if noise_shape not in NOISE_SHAPES:
         raise ValueError(f"noise_shape must be one of {NOISE_SHAPES}")
     if alpha > 0 and (noise_shape == "fisher") != (noise_factor is not None):
         raise ValueError("noise_shape 'fisher' needs a noise_factor (obfuscation/noise.py), and only it takes one")
-    factor_t = None if noise_factor is None else noise_factor.to(torch.float64).T.contiguous()
+    factor_t = None if noise_factor is None else noise_factor.to(compute_dtype).T.contiguous()
     col_std, rms_norm = _noise_profile(weight, noise_shape, chunk_rows) if alpha > 0 else (None, 1.0)
     plain_rows = torch.from_numpy(np.argsort(vocab_perm))  # obfuscated row j holds plain token plain_rows[j]
     if column_scale is not None:  # diag(c) on the small (d, D) factor instead of on every chunk of rows
-        right = column_scale[:, None] * right
-    right = right.contiguous()
+        right = column_scale.to(right.dtype)[:, None] * right
+    right = right.to(compute_dtype).contiguous()
     out = torch.empty((n, right.shape[1]), dtype=out_dtype)
     # buffers reused across chunks: fresh 50-80 MB allocations per chunk cost page faults, not arithmetic
-    rows_buf = torch.empty((chunk_rows, d), dtype=torch.float64)
-    noise_buf = np.empty((chunk_rows, d)) if alpha > 0 else None
-    prod_buf = torch.empty((chunk_rows, right.shape[1]), dtype=torch.float64)
-    for start in range(0, n, chunk_rows):
-        stop = min(n, start + chunk_rows)
-        rows = rows_buf[: stop - start]
-        rows.copy_(weight.index_select(0, plain_rows[start:stop]))
-        if alpha > 0:
-            noise_np = noise_buf[: stop - start]
-            rng.standard_normal(out=noise_np)  # the same draws as rng.standard_normal(rows.shape)
-            noise = torch.from_numpy(noise_np)
+    rows_buf = torch.empty((chunk_rows, d), dtype=compute_dtype)
+    prod_buf = torch.empty((chunk_rows, right.shape[1]), dtype=compute_dtype)
+    starts = list(range(0, n, chunk_rows))
+    if alpha <= 0:
+        for start in starts:
+            _project_chunk(weight, plain_rows, start, min(n, start + chunk_rows), rows_buf, prod_buf, right, out)
+        return out
+
+    col_std = col_std.to(compute_dtype)
+    seeds = rng.integers(0, 2**63, size=(len(starts), 4))  # 252 bits per chunk, all from rng
+    ahead = max(1, torch.get_num_threads())
+    noise_bufs = [np.empty((chunk_rows, d), dtype=np.float32) for _ in range(ahead + 1)]
+
+    def draw(k: int) -> np.ndarray:
+        buf = noise_bufs[k % len(noise_bufs)][: min(n, starts[k] + chunk_rows) - starts[k]]
+        np.random.default_rng(seeds[k]).standard_normal(out=buf, dtype=np.float32)
+        return buf
+
+    with ThreadPoolExecutor(max_workers=ahead) as pool:
+        pending = [pool.submit(draw, k) for k in range(min(ahead, len(starts)))]
+        for k, start in enumerate(starts):
+            stop = min(n, start + chunk_rows)
+            noise = torch.from_numpy(pending.pop(0).result()).to(compute_dtype)  # a copy only for float64
+            if k + ahead < len(starts):  # its buffer is free: chunk k - 1 is done with it
+                pending.append(pool.submit(draw, k + ahead))
+            rows = rows_buf[: stop - start]
+            rows.copy_(weight.index_select(0, plain_rows[start:stop]))
             if factor_t is not None:  # rows of z @ F^T: covariance F F^T (sensitivity-shaped, trace d)
                 noise = noise @ factor_t
             noise.mul_(col_std[None, :])
             if noise_shape == "row":
                 noise.mul_(rows.norm(dim=1, keepdim=True) / rms_norm)
-            rows.add_(noise.mul_(alpha))
-        prod = prod_buf[: stop - start]
-        torch.matmul(rows, right, out=prod)
-        out[start:stop].copy_(prod)
+            rows.add_(noise, alpha=alpha)
+            _project_chunk(None, None, start, stop, rows_buf, prod_buf, right, out)
     return out
+
+
+def _project_chunk(weight: Tensor | None, plain_rows: Tensor | None, start: int, stop: int, rows_buf: Tensor,
+                   prod_buf: Tensor, right: Tensor, out: Tensor) -> None:
+    """out[start:stop] = rows @ right; the rows are gathered from ``weight`` first unless already in rows_buf."""
+    rows = rows_buf[: stop - start]
+    if weight is not None:
+        rows.copy_(weight.index_select(0, plain_rows[start:stop]))
+    prod = prod_buf[: stop - start]
+    torch.matmul(rows, right, out=prod)
+    out[start:stop].copy_(prod)
 
 
 def obfuscate_embedding(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,
                         rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
-                        noise_factor: Tensor | None = None) -> Tensor:
+                        noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64) -> Tensor:
     """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i."""
     return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype, noise_shape=noise_shape,
-                                  noise_factor=noise_factor)
+                                  noise_factor=noise_factor, compute_dtype=compute_dtype)
 
 
 def obfuscate_head(weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
                    rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
-                   noise_factor: Tensor | None = None) -> Tensor:
+                   noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64) -> Tensor:
     """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T; HF layout (n, D), row vocab_perm[i] = plain token i."""
     return _permute_noise_project(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight,
-                                  noise_shape=noise_shape, noise_factor=noise_factor)
+                                  noise_shape=noise_shape, noise_factor=noise_factor, compute_dtype=compute_dtype)
 
 
 # --- attention -----------------------------------------------------------------------------------------
@@ -261,7 +299,7 @@ def obfuscate_attention(
     kv_src = torch.from_numpy(np.asarray(secrets.kv_order))
 
     def per_head(maps: list[np.ndarray], groups, t: Tensor, n: int, picked: Tensor) -> Tensor:
-        mt = torch.stack([_t(maps[g]).T for g in groups])  # (slots, dh, dh)
+        mt = torch.stack([_t(maps[g], t.dtype).T for g in groups])  # (slots, dh, dh)
         return torch.bmm(mt, heads(t, n).index_select(0, picked)).reshape(-1, t.shape[1])
 
     out["q"] = transform_reader_input(per_head(secrets.q_maps, q_grp, w["q"], num_heads, q_src), norm_weight, Q_q)
@@ -271,18 +309,18 @@ def obfuscate_attention(
                                       norm_weight, Q_v)
     if "q_bias" in w:
         qb = heads(w["q_bias"], num_heads)
-        out["q_bias"] = torch.cat([qb[i] @ _t(secrets.q_maps[g]) for i, g in sources])
+        out["q_bias"] = torch.cat([qb[i] @ _t(secrets.q_maps[g], qb.dtype) for i, g in sources])
     if "k_bias" in w:
         kb = heads(w["k_bias"], num_kv_heads)
-        out["k_bias"] = torch.cat([kb[g] @ _t(secrets.k_maps[g]) for g in secrets.kv_order])
+        out["k_bias"] = torch.cat([kb[g] @ _t(secrets.k_maps[g], kb.dtype) for g in secrets.kv_order])
     if "v_bias" in w:
         vb = heads(w["v_bias"], num_kv_heads)
-        out["v_bias"] = torch.cat([vb[g] @ _t(secrets.vo_mix[g]) for g in secrets.kv_order])
+        out["v_bias"] = torch.cat([vb[g] @ _t(secrets.vo_mix[g], vb.dtype) for g in secrets.kv_order])
 
     # o_proj: math rows of head i get U_vo^-1 of its kv group; then the writer's P on the output side.
     o_math = heads(w["o"].T, num_heads)  # (m, dh, d)
     vo_inv = [np.linalg.inv(m) for m in secrets.vo_mix]  # once per kv group, not once per q head
-    inv_t = torch.stack([_t(vo_inv[g]) for g in q_grp])
+    inv_t = torch.stack([_t(vo_inv[g], o_math.dtype) for g in q_grp])
     o_rows = torch.bmm(inv_t, o_math.index_select(0, q_src)).reshape(-1, o_math.shape[2])  # (m dh, d)
     out["o"] = transform_writer_output(o_rows.T, P_o)  # HF layout (D, m dh) = P^T o_rows^T
     if "o_bias" in w:
@@ -301,7 +339,7 @@ def obfuscate_attention(
 def obfuscate_mlp(
     gate: Tensor, up: Tensor, down: Tensor, norm_weight: Tensor,
     Q_gate: np.ndarray, Q_up: np.ndarray, P_down: np.ndarray,
-    ffn_perm: np.ndarray, ffn_scale: np.ndarray,
+    ffn_perm: np.ndarray, ffn_scale: np.ndarray, compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """W~_gate = Q diag(w) W_gate Z, W~_up = Q diag(w) W_up H Z, W~_down = Z^T H^-1 W_down P.
 
@@ -309,14 +347,14 @@ def obfuscate_mlp(
     the Hadamard product linearly.
     """
     perm = torch.from_numpy(ffn_perm)
-    scale = _t(ffn_scale)[perm]
+    scale = _t(ffn_scale, compute_dtype)[perm]
     # Z and H act on the intermediate units: permute and scale the plain weights (d wide) before the products
     # (D wide) rather than gathering the products afterwards; the result is the same matrix.
-    # The weights may come in their stored precision: gathering first moves half the bytes, and the float64
-    # conversion (exact) happens in the same pass as the scaling.
-    g = transform_reader_input(gate.index_select(0, perm).to(torch.float64), norm_weight, Q_gate)
-    u = transform_reader_input(up.index_select(0, perm).to(torch.float64) * scale[:, None], norm_weight, Q_up)
-    d = transform_writer_output(down.index_select(1, perm).to(torch.float64) / scale[None, :], P_down)
+    # The weights may come in their stored precision: gathering first moves half the bytes, and the conversion
+    # to the compute dtype (exact when it is float64) happens in the same pass as the scaling.
+    g = transform_reader_input(gate.index_select(0, perm).to(compute_dtype), norm_weight, Q_gate)
+    u = transform_reader_input(up.index_select(0, perm).to(compute_dtype) * scale[:, None], norm_weight, Q_up)
+    d = transform_writer_output(down.index_select(1, perm).to(compute_dtype) / scale[None, :], P_down)
     return g, u, d
 
 
