@@ -212,6 +212,7 @@ def transformers_scores(model_dir: Path, dtype: str, seqs, reply_starts, perm, r
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[11, 12, 13])
     ap.add_argument("--presets", nargs="+", default=["exact", "default"],
                     help="presets, or ablations LABEL=PRESET:key=value,... (e.g. rot=exact:h=0,vo_scale_range=1)")
@@ -235,7 +236,7 @@ def main() -> None:
     from aloepri.runtime.fidelity import builtin_prompt_ids
     from aloepri.export.gguf import plaintext_reference_dir
     from aloepri.runtime.tokenizer import load_tokenizer
-    from aloepri.models import smollm2_gguf
+    from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
 
     torch.set_num_threads(a.threads)
     work = Path(a.workdir)
@@ -244,7 +245,7 @@ def main() -> None:
     out_path = Path(a.out)
     report = json.loads(out_path.read_text()) if out_path.exists() else {}
     report.setdefault("results", {})
-    smol = smollm2_gguf()
+    smol = {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}[a.model]()  # the source model
     if not (work / "plain").exists():
         plaintext_reference_dir(smol, work / "plain")
     models = {"plain": (work / "plain", None)}
