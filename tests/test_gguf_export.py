@@ -465,3 +465,22 @@ def test_llama3_rope_scaling_is_exported(tmp_path):
     finally:
         gguf_export._rope_metadata = real
     assert np.abs(_llama_logits(tmp_path / "unscaled.gguf", ids) - ref).max() > 100 * (3 * floor + 1e-6)
+
+
+def test_plaintext_reference_of_qwen2_declares_zero_o_bias(tiny_dir, tmp_path):
+    """Qwen2 written as Llama with attention_bias: Llama also declares o_proj.bias, so the reference directory must
+    hold it (zeros), or vLLM runs an uninitialised bias (it then generated token 0 on every step)."""
+    from safetensors.torch import load_file
+
+    ref = plaintext_reference_dir(tiny_dir("qwen2"), tmp_path / "ref")
+    cfg = json.loads((ref / "config.json").read_text())
+    sd = load_file(str(ref / "model.safetensors"))
+    assert cfg["attention_bias"] is True and cfg["model_type"] == "llama"
+    for i in range(cfg["num_hidden_layers"]):
+        assert torch.equal(sd[f"model.layers.{i}.self_attn.o_proj.bias"], torch.zeros(cfg["hidden_size"]))
+        assert f"model.layers.{i}.self_attn.q_proj.bias" in sd
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir("qwen2"), dtype=torch.float32).eval()
+    as_llama = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, as_llama(ids).logits, atol=1e-4)

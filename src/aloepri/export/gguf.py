@@ -365,6 +365,7 @@ def plaintext_reference_dir(src: str | Path, directory: str | Path) -> Path:
     starts from (aloepri's reader: dequantized, q/k rows in HF order). Exported with :func:`export_gguf` it is
     the same-precision plaintext baseline for comparisons on llama.cpp (a quantized plaintext GGUF also rounds
     activations, which flips near-ties). Embeddings stay tied when the source ties them."""
+    import torch
     from safetensors.torch import save_file
 
     from ..obfuscation.checkpoint import open_checkpoint
@@ -383,15 +384,21 @@ def plaintext_reference_dir(src: str | Path, directory: str | Path) -> Path:
                     if ck.has(role, i, part):
                         name = HF_LAYER_PREFIX.format(i=i) + HF_LAYER_ROLES[role] + (f".{part}" if role in LINEAR_ROLES else "")
                         sd[name] = ck.get(role, i, part).float().contiguous()
-        directory.mkdir(parents=True, exist_ok=False)
-        save_file(sd, str(directory / "model.safetensors"))
-        # marks the directory as aloepri's own (export_gguf accepts it); it is a plaintext model, not for a server
-        (directory / MODEL_META_FILE).write_text(json.dumps({"format": PLAINTEXT_REFERENCE_FORMAT, "version": 1}) + "\n")
         cfg = {k: v for k, v in ck.config.items() if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
         cfg.update(architectures=[ck.spec.output_architecture], model_type=ck.spec.output_model_type,
                    tie_word_embeddings=ck.tied_embeddings, dtype="float32")
         if ck.spec.name == "qwen2":
             cfg["attention_bias"] = ck.has("q", 0, "bias")
+            if cfg["attention_bias"]:
+                # Llama's attention_bias also declares o_proj.bias, which Qwen2 does not have: written as zeros,
+                # or vLLM serves whatever its uninitialised buffer holds (measured: token 0 on every step)
+                for i in range(ck.num_layers):
+                    name = HF_LAYER_PREFIX.format(i=i) + HF_LAYER_ROLES["o"] + ".bias"
+                    sd.setdefault(name, torch.zeros(int(ck.config["hidden_size"]), dtype=torch.float32))
+        directory.mkdir(parents=True, exist_ok=False)
+        save_file(sd, str(directory / "model.safetensors"))
+        # marks the directory as aloepri's own (export_gguf accepts it); it is a plaintext model, not for a server
+        (directory / MODEL_META_FILE).write_text(json.dumps({"format": PLAINTEXT_REFERENCE_FORMAT, "version": 1}) + "\n")
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     finally:
         ck.close()
