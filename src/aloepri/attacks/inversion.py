@@ -624,10 +624,26 @@ class AnchorMapConfig:
 
 
 def _residual_streams(model, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Residual stream at every layer boundary (embedding output .. before the final norm), each (b, n, D)."""
-    with torch.no_grad():
-        hs = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-    return [h.double() for h in hs[:-1]]  # the last entry has the final norm applied: not the residual stream
+    """Residual stream at every layer boundary (embedding output .. last decoder layer's output, before the final
+    norm), each (b, n, D). Read with our own hooks, not ``output_hidden_states``: transformers 5 installs its output
+    recorders once, on the layers present at the first call that asks for outputs, so after a truncated eager run
+    (``layer_states(..., attentions=True)``, the attention ISA) ``hidden_states`` held the embedding and one layer
+    only, and a state map fitted afterwards failed (map error 0.97)."""
+    inner = _inner(model)
+    states: list[torch.Tensor] = []
+
+    def grab(_mod, _inp, out):
+        states.append((out[0] if isinstance(out, tuple) else out).double())
+
+    hooks = [layer.register_forward_hook(grab) for layer in inner.layers]
+    try:
+        with torch.no_grad():
+            embedded = inner.embed_tokens(ids).double()
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [embedded] + states
 
 
 def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cfg: AnchorMapConfig, seed: int
