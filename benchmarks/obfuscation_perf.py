@@ -6,8 +6,8 @@ product, including the embedding and the head (ObfuscationResult.flops). Not cou
 inverses, the per-reader Q), the per-head dh x dh maps, noise, dequantization, hashing, writing -- those are
 overhead the ratio has to absorb, so the fraction is of the WHOLE obfuscation wall time.
 
-The output is float32 (the GGUF sources' default), so the products run in float32 (pipeline.product_dtype; error
-budget: benchmarks/product_precision.py). The fraction is reported against the float64 roofline (issue 16's
+The output is float32 (the GGUF sources' default), so a noisy preset (`default`) runs its products in float32 and
+`exact` in float64 (pipeline.product_dtype; error budget: benchmarks/product_precision.py). The fraction is reported against the float64 roofline (issue 16's
 measure) and, for honesty, against the float32 matmul rate probed before and after the run.
 
 Roofline: a float64 (2048 x 2048) @ (2048 x 2048) torch matmul with the same torch thread count, run in the child
@@ -143,7 +143,10 @@ print(json.dumps({"src": src.name, "src_bytes": src.stat().st_size, "wall_second
                   "output_bytes": res.bytes_written, "hidden_size": res.hidden_size, "h": res.h,
                   "rss_before_kib": rss_before, "peak_rss_kib": vm_hwm_kib(), "phase_seconds": phase,
                   "roofline_probe_gflops": rates, "float32_probe_gflops": probes32,
-                  "product_dtype": str(getattr(pipeline, "product_dtype", lambda *_: torch.float64)(torch.float32, resolve_params(sys.argv[3]))), "loadavg_1min": [load_before, os.getloadavg()[0]],
+                  # code from before product_dtype existed ran every product in float64
+                  "product_dtype": str(getattr(pipeline, "product_dtype", lambda *_: torch.float64)(
+                      torch.float32, resolve_params(sys.argv[3]))),
+                  "loadavg_1min": [load_before, os.getloadavg()[0]],
                   "torch_threads": torch.get_num_threads()}))
 """
 

@@ -25,23 +25,13 @@ import torch
 RESULTS = Path(__file__).parent / "results" / "product_precision.json"
 
 
-def score(plain64, model, key, ids_list, perm) -> dict:
-    import torch.nn.functional as F
+def score(plain64, model, key, ids_list) -> dict:
+    """runtime.fidelity.compare against the float64 plaintext (``key=None``: ``model`` is a plaintext model)."""
+    from aloepri.runtime.fidelity import compare
 
-    kl = top1 = n = 0.0
-    max_err = 0.0
-    for ids in ids_list:
-        x = torch.tensor([list(ids)])
-        ref = plain64(x).logits[0]
-        if key is None:
-            out = model(x).logits[0].double()
-        else:
-            out = model(torch.tensor([key.encode_ids(list(ids))])).logits[0].double()[:, perm]
-        kl += F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="sum").item()
-        top1 += (ref.argmax(-1) == out.argmax(-1)).sum().item()
-        max_err = max(max_err, (ref - out).abs().max().item())
-        n += ref.shape[0]
-    return {"mean_kl_vs_plain64": kl / n, "top1_vs_plain64": top1 / n, "max_logit_error": max_err, "positions": int(n)}
+    f = compare(plain64, model, key, ids_list, greedy_tokens=0)
+    return {"mean_kl_vs_plain64": f.mean_kl, "top1_vs_plain64": f.top1_agreement,
+            "max_logit_error": f.max_logit_error, "positions": f.positions}
 
 
 def weight_gap(dir_a: Path, dir_b: Path) -> dict:
@@ -99,7 +89,7 @@ def main() -> None:
         plain64 = load_plain_model(src, torch.float64)
         plain32 = load_plain_model(src, torch.float32)
         with torch.no_grad():
-            floor = score(plain64, plain32, None, ids_list, None)
+            floor = score(plain64, plain32, None, ids_list)
         del plain32
         for preset in todo:
             work = Path(tempfile.mkdtemp(prefix="aloepri-precision-"))
@@ -115,7 +105,7 @@ def main() -> None:
                     key = load_key(work / f"{label}.key")
                     obf = AutoModelForCausalLM.from_pretrained(str(work / label), dtype=torch.float32).eval()
                     with torch.no_grad():
-                        entry[label] = score(plain64, obf, key, ids_list, torch.from_numpy(key.permutation))
+                        entry[label] = score(plain64, obf, key, ids_list)
                     entry[label]["obfuscation_seconds"] = seconds
                     del obf
                 entry["weights"] = weight_gap(work / "float64_products", work / "float32_products")

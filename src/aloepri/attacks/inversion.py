@@ -635,15 +635,14 @@ def _residual_streams(model, ids: torch.Tensor) -> list[torch.Tensor]:
     def grab(_mod, _inp, out):
         states.append((out[0] if isinstance(out, tuple) else out).double())
 
-    hooks = [layer.register_forward_hook(grab) for layer in inner.layers]
+    hooks = [m.register_forward_hook(grab) for m in (inner.embed_tokens, *inner.layers)]  # runs in this order
     try:
         with torch.no_grad():
-            embedded = inner.embed_tokens(ids).double()
             model(input_ids=ids, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    return [embedded] + states
+    return states
 
 
 def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cfg: AnchorMapConfig, seed: int

@@ -101,6 +101,7 @@ class MLAAttention:
         return {}  # MLA's head dims are its own config keys (passed through); head_dim is derived
 
     def obfuscate(self, ctx: LayerContext, i: int) -> float:
+        # float64 whatever ctx.compute_dtype: float32 MLA products were never measured (no MLA model runs here)
         source, secrets, shape = ctx.source, ctx.secrets, ctx.shape
         roles = [r for r in source.attention_roles(i) if r != "attn_norm"]
         w = {r: source.get(r, i) for r in roles}

@@ -2,8 +2,8 @@
 
 Precision: a transform computes in the dtype of the weight it is given (the keys, float64 numpy arrays, are
 converted to it after any small float64 factor is formed). float64 keeps ``exact`` to float64 rounding; the pipeline
-hands float32 weights only where its output is stored in 32 bits or fewer and the error of a float32 product
-has been measured to stay far below what storing the result costs (docs/performance.md, "Precision").
+hands float32 weights only where its output is stored in 32 bits or fewer and the preset adds noise, whose size
+dwarfs a float32 product's error (measured: docs/performance.md, "Precision"; pipeline.product_dtype).
 
 Layout: weights are in the Hugging Face ``nn.Linear`` layout (out_features, in_features), ``y = x W^T + b``.
 Hidden states are row vectors; the obfuscated residual stream is ``x @ P`` (P: d x D, D = d + 2h) and a
@@ -133,49 +133,37 @@ def _permute_noise_project(
     rows_buf = torch.empty((chunk_rows, d), dtype=compute_dtype)
     prod_buf = torch.empty((chunk_rows, right.shape[1]), dtype=compute_dtype)
     starts = list(range(0, n, chunk_rows))
-    if alpha <= 0:
-        for start in starts:
-            _project_chunk(weight, plain_rows, start, min(n, start + chunk_rows), rows_buf, prod_buf, right, out)
-        return out
-
-    col_std = col_std.to(compute_dtype)
-    seeds = rng.integers(0, 2**63, size=(len(starts), 4))  # 252 bits per chunk, all from rng
-    ahead = max(1, torch.get_num_threads())
-    noise_bufs = [np.empty((chunk_rows, d), dtype=np.float32) for _ in range(ahead + 1)]
+    if alpha > 0:
+        col_std = col_std.to(compute_dtype)
+        seeds = rng.integers(0, 2**63, size=(len(starts), 4))  # 252 bits per chunk, all from rng
+    ahead = max(1, torch.get_num_threads()) if alpha > 0 else 0
+    noise_bufs = [np.empty((chunk_rows, d), dtype=np.float32) for _ in range(ahead + 1)] if alpha > 0 else []
 
     def draw(k: int) -> np.ndarray:
         buf = noise_bufs[k % len(noise_bufs)][: min(n, starts[k] + chunk_rows) - starts[k]]
         np.random.default_rng(seeds[k]).standard_normal(out=buf, dtype=np.float32)
         return buf
 
-    with ThreadPoolExecutor(max_workers=ahead) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, ahead)) as pool:
         pending = [pool.submit(draw, k) for k in range(min(ahead, len(starts)))]
         for k, start in enumerate(starts):
             stop = min(n, start + chunk_rows)
-            noise = torch.from_numpy(pending.pop(0).result()).to(compute_dtype)  # a copy only for float64
-            if k + ahead < len(starts):  # its buffer is free: chunk k - 1 is done with it
-                pending.append(pool.submit(draw, k + ahead))
             rows = rows_buf[: stop - start]
             rows.copy_(weight.index_select(0, plain_rows[start:stop]))
-            if factor_t is not None:  # rows of z @ F^T: covariance F F^T (sensitivity-shaped, trace d)
-                noise = noise @ factor_t
-            noise.mul_(col_std[None, :])
-            if noise_shape == "row":
-                noise.mul_(rows.norm(dim=1, keepdim=True) / rms_norm)
-            rows.add_(noise, alpha=alpha)
-            _project_chunk(None, None, start, stop, rows_buf, prod_buf, right, out)
+            if alpha > 0:
+                noise = torch.from_numpy(pending.pop(0).result()).to(compute_dtype)  # a copy only for float64
+                if k + ahead < len(starts):  # its buffer is free: chunk k - 1 is done with it
+                    pending.append(pool.submit(draw, k + ahead))
+                if factor_t is not None:  # rows of z @ F^T: covariance F F^T (sensitivity-shaped, trace d)
+                    noise = noise @ factor_t
+                noise.mul_(col_std[None, :])
+                if noise_shape == "row":
+                    noise.mul_(rows.norm(dim=1, keepdim=True) / rms_norm)
+                rows.add_(noise, alpha=alpha)
+            prod = prod_buf[: stop - start]
+            torch.matmul(rows, right, out=prod)
+            out[start:stop].copy_(prod)
     return out
-
-
-def _project_chunk(weight: Tensor | None, plain_rows: Tensor | None, start: int, stop: int, rows_buf: Tensor,
-                   prod_buf: Tensor, right: Tensor, out: Tensor) -> None:
-    """out[start:stop] = rows @ right; the rows are gathered from ``weight`` first unless already in rows_buf."""
-    rows = rows_buf[: stop - start]
-    if weight is not None:
-        rows.copy_(weight.index_select(0, plain_rows[start:stop]))
-    prod = prod_buf[: stop - start]
-    torch.matmul(rows, right, out=prod)
-    out[start:stop].copy_(prod)
 
 
 def obfuscate_embedding(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,

@@ -49,19 +49,27 @@ class Fidelity:
 
 
 @torch.no_grad()
-def compare(plain_model, obf_model, key: KeyFile, prompts_ids: Sequence[Sequence[int]], greedy_tokens: int = 24) -> Fidelity:
-    perm = torch.from_numpy(key.permutation)
+def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[Sequence[int]],
+            greedy_tokens: int = 24) -> Fidelity:
+    """``obf_model`` against ``plain_model`` on the same plaintext prompts. ``key=None``: the second model takes
+    plaintext ids too (a plaintext model in another dtype or engine, e.g. the float32 floor of a float64 one)."""
+    encode = key.encode_ids if key is not None else list
+    decode = key.decode_ids if key is not None else list
+    perm = torch.from_numpy(key.permutation) if key is not None else None
     agree = kl_sum = 0.0
     n_pos = 0
     max_err = 0.0
     greedy_same = 0
-    eos_plain = key.special_tokens.get("eos_token_id")
+    eos_plain = (key.special_tokens.get("eos_token_id") if key is not None
+                 else plain_model.generation_config.eos_token_id)
     eos_plain = [eos_plain] if isinstance(eos_plain, int) else eos_plain
     for ids in prompts_ids:
         x = torch.tensor([list(ids)])
-        xo = torch.tensor([key.encode_ids(list(ids))])
+        xo = torch.tensor([encode(list(ids))])
         lp = plain_model(x).logits[0].double()
-        lo = obf_model(xo).logits[0].double()[:, perm]  # column i = obfuscated logit of plain token i
+        lo = obf_model(xo).logits[0].double()
+        if perm is not None:
+            lo = lo[:, perm]  # column i = obfuscated logit of plain token i
         n = min(lp.shape[-1], lo.shape[-1])
         lp, lo = lp[:, :n], lo[:, :n]
         agree += (lp.argmax(-1) == lo.argmax(-1)).sum().item()
@@ -71,10 +79,10 @@ def compare(plain_model, obf_model, key: KeyFile, prompts_ids: Sequence[Sequence
         if greedy_tokens:
             gp = plain_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
                                       eos_token_id=eos_plain, pad_token_id=(eos_plain or [0])[0])[0, x.shape[1]:].tolist()
-            eo = key.encode_ids(eos_plain) if eos_plain else None
+            eo = encode(eos_plain) if eos_plain else None
             go = obf_model.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens, do_sample=False,
                                     eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:].tolist()
-            greedy_same += int(key.decode_ids(go) == gp)
+            greedy_same += int(decode(go) == gp)
     return Fidelity(agree / n_pos, kl_sum / n_pos, max_err, greedy_same / max(1, len(prompts_ids)), n_pos,
                     len(prompts_ids), greedy_tokens)
 
