@@ -3,7 +3,8 @@ import pytest
 
 from aloepri.obfuscation import keymat
 from aloepri.obfuscation.secrets import effective_h
-from aloepri.obfuscation.transforms import pair_permutation_matrix, rope_pair_rotation
+from aloepri.obfuscation.transforms import (KEPT_NORM_WEIGHT_MAX, pair_permutation_matrix, rope_pair_rotation,
+                                           split_norm_weight)
 
 
 @pytest.mark.parametrize("lam,e_scale,c_scale", [(0.0, 0.0, 0.0), (0.3, 1.0, 1.0), (0.3, 1.0, 10.0)])
@@ -105,3 +106,21 @@ def test_conditioned_vo_mixing_is_well_conditioned():
     paper = SecretSampler(1, ObfuscationParams(h=8, vo_mixing="gaussian"), shape).attention(0).vo_mix
     assert max(np.linalg.cond(u) for u in good) <= 4.0 + 1e-9
     assert max(np.linalg.cond(u) for u in paper) > 10.0
+
+
+def test_split_norm_weight_keeps_products_and_clips_kept_dims_on_the_server():
+    """server x reader reproduces kappa w at every kept coordinate; mixed dims fold all of w; a kept weight beyond
+    KEPT_NORM_WEIGHT_MAX goes to the server clipped (sign kept), a smaller one (e.g. a damping 0.01) whole."""
+    import torch
+
+    w = torch.tensor([0.5, -3.0, 0.01, 2.5, -0.7, 1.0], dtype=torch.float64)
+    kept = {1: 4, 2: 0, 3: 6, 5: 2}  # residual dim -> server coordinate (width 8)
+    kappa = 0.9
+    server, reader = split_norm_weight(w, kappa, kept, 8)
+    for i, j in kept.items():
+        assert abs(float(server[j] * reader[i]) - kappa * float(w[i])) < 1e-15
+        assert abs(float(server[j])) <= kappa * KEPT_NORM_WEIGHT_MAX + 1e-15
+    assert float(server[4]) == -kappa * KEPT_NORM_WEIGHT_MAX and float(reader[1]) == 3.0 / KEPT_NORM_WEIGHT_MAX
+    assert float(server[0]) == kappa * 0.01 and float(reader[2]) == 1.0  # damping stays on the server
+    assert torch.equal(reader[[0, 4]], w[[0, 4]])  # mixed dims: folded whole
+    assert all(float(server[j]) == kappa for j in (1, 3, 5, 7))

@@ -41,22 +41,31 @@ def transform_reader_input(weight: Tensor, norm_weight: Tensor | None, Q: np.nda
     return weight @ right.to(weight.dtype)
 
 
+# Largest |norm weight| (in units of kappa) a kept dimension keeps on the server's norm (split_norm_weight):
+# measured on llama.cpp q8_0, 1 is at or near the best for both SmolLM2 and Qwen2.5 (docs/serving-gguf.md).
+KEPT_NORM_WEIGHT_MAX = 1.0
+
+
 def split_norm_weight(norm_weight: Tensor, kappa: float, kept_columns: dict[int, int], width: int
                       ) -> tuple[Tensor, Tensor]:
     """An RMSNorm weight (d,) -> (the server's norm weight (D,), the weight its readers fold in (d,)).
 
     diag(w) does not commute with the key's mixing, so a mixed dimension's weight is folded into the readers and
     the server's norm weight is the constant kappa there. A kept dimension i reaches the server as one coordinate
-    j = kept_columns[i] (P e_i = +-s e_j), so its weight can stay on the server's norm (kappa w_i at j, readers
-    fold 1): the products are unchanged, and the activation the readers get is scaled as in plaintext. That
-    matters for 8-bit activation rounding, because a massive-activation dimension usually has a tiny norm weight
-    (docs/serving-gguf.md)."""
+    j = kept_columns[i] (P e_i = +-s e_j), so any split of w_i between the server's norm (at j) and the readers
+    keeps the products unchanged. It matters for 8-bit activation rounding (one scale per block of 32 inputs): a
+    massive-activation dimension reaches ~sqrt(d) after normalisation, and its weight decides how much of the
+    block it takes. Up to |w_i| <= 1 the weight stays on the server (kappa w_i; a tiny w_i damps the dimension as
+    in plaintext); a larger one is clipped to +-kappa there, the rest folded into the readers, so a kept
+    coordinate is never amplified beyond the mixed ones (Qwen2.5's dim 62 has w up to 3: llama.cpp q8_0 KL 7.7x
+    plaintext's unclipped, 1.2x clipped; docs/serving-gguf.md)."""
     server = torch.full((width,), float(kappa), dtype=torch.float64)
     reader = norm_weight.to(torch.float64).clone()
     if kept_columns:
         dims = torch.tensor(sorted(kept_columns), dtype=torch.long)
-        server[torch.tensor([kept_columns[int(i)] for i in dims])] = float(kappa) * reader[dims]
-        reader[dims] = 1.0
+        on_server = reader[dims].clamp(-KEPT_NORM_WEIGHT_MAX, KEPT_NORM_WEIGHT_MAX)
+        server[torch.tensor([kept_columns[int(i)] for i in dims])] = float(kappa) * on_server
+        reader[dims] = torch.where(on_server == reader[dims], torch.ones_like(on_server), reader[dims] / on_server)
     return server, reader
 
 
