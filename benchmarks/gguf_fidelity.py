@@ -196,6 +196,9 @@ def main() -> None:
     ap.add_argument("--diagnose-where", nargs="+", default=["weights", "inputs"],
                     choices=["weights", "inputs", "both"])
     ap.add_argument("--massive-k", type=int, default=4, help="--diagnose: dimensions kept out of the rotation")
+    ap.add_argument("--kept-norm-max", type=float, default=None,
+                    help="override transforms.KEPT_NORM_WEIGHT_MAX for the models this run obfuscates (give them "
+                         "their own labels: finished models are reused by label)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
 
@@ -207,6 +210,10 @@ def main() -> None:
     from aloepri.runtime.fidelity import builtin_prompt_ids
     from aloepri.runtime.tokenizer import load_tokenizer
 
+    if a.kept_norm_max is not None:
+        from aloepri.obfuscation import transforms
+
+        transforms.KEPT_NORM_WEIGHT_MAX = a.kept_norm_max
     src = smollm2_gguf() if a.model == "smollm2" else qwen25_coder_05b_gguf()
     work = Path(a.workdir) / a.model
     work.mkdir(parents=True, exist_ok=True)

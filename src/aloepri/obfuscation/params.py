@@ -188,8 +188,8 @@ def _range_problems(p: "ObfuscationParams") -> list[str]:
 # bf16's own loss (KL 0.00135-0.00137 on three keys, 0.00198 on a fourth, vs plaintext 0.00147; 0.00213-0.00239
 # without it; docs/serving.md "bf16") and llama.cpp q8_0 below plaintext q8_0's (0.86-0.91x; 1.45x without;
 # docs/serving-gguf.md). It costs nothing this preset had: its vocabulary is open to weight matching anyway.
-# Measured on SmolLM2 only: on Qwen2.5-Coder-0.5B q8_0 the kept dimensions cost 7.7-9.3x plaintext's KL against
-# 1.3-1.4x with outlier_dims=0 (docs/serving-gguf.md), so for 8-bit Qwen2-family exports use --outlier-dims 0.
+# On Qwen2.5-Coder-0.5B q8_0 (h=0) 1.18-1.53x plaintext's KL, two keys, once a kept dimension's norm weight is
+# clipped to 1 on the server (7.7-9.3x before; 1.27-1.37x with outlier_dims=0; transforms.split_norm_weight).
 EXACT = ObfuscationParams(outlier_dims=4)
 
 # `paper`: the paper's Table "Privacy hyperparameter settings" (alpha_e=1.0, alpha_h=0.2, lambda=0.3, h=128,
@@ -205,8 +205,8 @@ PAPER = ObfuscationParams(alpha_e=1.0, alpha_h=0.2, lam=0.3, h=128, beta=8, gamm
 # hidden-state attack recovers 100% of prompt tokens at every h; accuracy is the same) and costs D/d per token
 # (1.50x at SmolLM2's former h=144; docs/serving.md "Served cost"). With h=0 there is no C/E block to fill.
 # outlier_dims=4 as in `exact`: what bf16 rounding adds to its own float32 output on vLLM falls from 1.7-3.3x to
-# 1.4-1.7x plaintext bf16's (four keys), q8_0's on llama.cpp from 1.5-1.8x to 1.1x plaintext q8_0's (two keys),
-# float32 accuracy unchanged (docs/serving.md "bf16"); its vocabulary is open to weight matching anyway.
+# 1.4-1.7x plaintext bf16's (four keys), q8_0's on llama.cpp from 1.5-1.8x to 1.1x plaintext q8_0's (two keys;
+# 1.0-1.6x over three keys with stop 20's noise draws; Qwen2.5 0.9-1.2x), float32 accuracy unchanged (docs/serving.md "bf16"); its vocabulary is open to weight matching anyway.
 DEFAULT = ObfuscationParams(alpha_e=0.1, alpha_h=0.05, lam=0.1, h=0, beta=8, gamma=1e3, c_scale=1.0, e_scale=1.0,
                             outlier_dims=4)
 
