@@ -41,6 +41,18 @@ def test_gguf_reader_matches_transformers_loader(smol, plain):
     torch.testing.assert_close(ck.get("attn_norm", 3).float(), layer.input_layernorm.weight.detach(), rtol=0, atol=0)
 
 
+
+def test_gguf_config_matches_a_full_parse(smol):
+    """Our config parse hides the tokenizer's long arrays from transformers (speed) and must still give what a
+    full parse by the stock reader gives, vocab_size included (transformers derives it from the tokens)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    full = load_gguf_checkpoint(str(smol), return_tensors=False)
+    ck = GGUFCheckpoint(smol)
+    assert "vocab_size" in full["config"]
+    assert {k: ck.config[k] for k in full["config"] if k not in ("architectures", "model_type")} == \
+        {k: v for k, v in full["config"].items() if k not in ("architectures", "model_type")}
+    assert ck.chat_template == full["tokenizer_config"].get("chat_template") and ck.chat_template
 def test_exact_preset_on_real_weights(smol, plain, exact_artifact):
     out, key_path = exact_artifact
     key = aloepri.load_key(key_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 import tempfile
 import time
@@ -202,6 +203,11 @@ def error_message(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["obfuscate"] and "torch" not in sys.modules:
+        # before the parser's imports load torch's OpenMP (it reads this once): its idle threads would otherwise
+        # spin on the cores the obfuscation's worker threads (noise, hashing, shard writing) need
+        # (docs/performance.md)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -249,17 +250,41 @@ def _fast_gguf_reader(path: str):
     return _Reader(path)
 
 
+# Array fields longer than this (the tokenizer's tokens, merges, scores, token types) are not configuration:
+# transformers' config parse would turn each element into a Python value (Qwen2.5: 455k of them, ~1 s).
+_CONFIG_ARRAY_MAX = 4096
+
+
+class _ConfigFieldsOnly:
+    """The reader as transformers' config parse should see it: every field but the long arrays; the rest of the
+    reader (tensors, data) unchanged."""
+
+    def __init__(self, reader):
+        self._reader = reader
+        self.fields = {name: f for name, f in reader.fields.items() if len(f.data) <= _CONFIG_ARRAY_MAX}
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+
 @contextlib.contextmanager
 def _reusing_reader(reader):
-    """transformers' load_gguf_checkpoint opens its own gguf.GGUFReader(path); give it the one already parsed."""
+    """transformers' load_gguf_checkpoint opens its own gguf.GGUFReader(path); give it the one already parsed,
+    without the long arrays (_ConfigFieldsOnly)."""
     import gguf
 
     stock = gguf.GGUFReader
-    gguf.GGUFReader = lambda *args, **kwargs: reader
+    gguf.GGUFReader = lambda *args, **kwargs: _ConfigFieldsOnly(reader)
+    # its warning that vocab_size cannot come from the (hidden) tokens: the caller takes it from them itself
+    log = logging.getLogger("transformers.modeling_gguf_pytorch_utils")
+    level = log.level
+    if "tokenizer.ggml.tokens" in reader.fields:
+        log.setLevel(logging.ERROR)
     try:
         yield
     finally:
         gguf.GGUFReader = stock
+        log.setLevel(level)
 
 
 def _dequantize(t) -> np.ndarray:
@@ -335,6 +360,9 @@ class GGUFCheckpoint(SourceCheckpoint):
         with _reusing_reader(self._reader):
             parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)
         cfg = dict(parsed["config"])
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        if "vocab_size" not in cfg and tokens is not None:  # what transformers derives from the hidden array
+            cfg["vocab_size"] = len(tokens.data)
         cfg["architectures"] = [self.spec.hf_architectures[0]]
         cfg["model_type"] = self.spec.name
         cfg.setdefault("tie_word_embeddings", "output.weight" not in self._tensors)

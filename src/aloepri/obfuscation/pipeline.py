@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,9 +183,23 @@ def obfuscate(
         raise FileExistsError(f"{out} already exists; choose a new output path or pass --force")
     check_writable_destination(out, "output directory")
     check_writable_destination(key_out, "key file")
-    with contextlib.closing(open_checkpoint(src)) as source, keymat.single_threaded_blas():
+    with _gc_paused(), contextlib.closing(open_checkpoint(src)) as source, keymat.single_threaded_blas():
         return _obfuscate_source(source, src, out, key_out, params, seed, dtype, max_shard_bytes, overwrite, progress,
                                  t0, noise_factors)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector, off for the run: its full passes walk every object of the imported
+    libraries (transformers, torch) and cost ~0.8 s of a Qwen2.5-Coder-0.5B obfuscation (docs/performance.md),
+    while the run itself makes no big reference cycles (same peak memory measured with it off)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, params: ObfuscationParams, seed: int,
@@ -210,10 +226,17 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     flops = 0.0
     staged_key = writer = None
     staging = AtomicOutputDir(out, overwrite=overwrite)
+    # one worker thread overlaps the work that does not need the layers with them: the fingerprint's sha256 of
+    # the vocabulary matrices and the output config (the first use of transformers' config classes imports them);
+    # hashlib and torch's kernels release the GIL
+    background = ThreadPoolExecutor(max_workers=1)
     try:
         writer = ShardedWriter(staging.tmp, max_shard_bytes)
         fp = hashlib.sha256()
         steps = tqdm(total=shape.num_layers + 2, desc="obfuscating", unit="block", disable=not progress)
+        has_qkv_bias = source.has("q", 0, "bias")
+        out_cfg = background.submit(output_config, cfg, spec, shape, D, float(cfg.get("rms_norm_eps", 1e-6)),
+                                    has_qkv_bias, out_dtype, vocab_perm)
 
         embed = source.get("embed", dtype=None)  # stored precision; converted chunk by chunk
         calib = None
@@ -226,7 +249,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
                                     secrets.rng("noise", "embed"), out_dtype, params.noise_shape,
                                     f_embed if params.alpha_e > 0 else None, compute_dtype)
         flops += 2.0 * embed.shape[0] * shape.d * D
-        fingerprint_update(fp, "model.embed_tokens.weight", e_obf)
+        hashed = [background.submit(fingerprint_update, fp, "model.embed_tokens.weight", e_obf)]
         writer.add("model.embed_tokens.weight", e_obf)
         head_plain = embed if source.tied_embeddings else source.get("head", dtype=None)
         del embed, e_obf
@@ -236,13 +259,12 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
                                params.alpha_h, secrets.rng("noise", "head"), out_dtype, params.noise_shape,
                                f_head if params.alpha_h > 0 else None, compute_dtype)
         flops += 2.0 * head_plain.shape[0] * shape.d * D
-        fingerprint_update(fp, "lm_head.weight", h_obf)
+        hashed.append(background.submit(fingerprint_update, fp, "lm_head.weight", h_obf))  # in order: one worker
         writer.add("lm_head.weight", h_obf)
         writer.add("model.norm.weight", final_server_norm.to(out_dtype))
         del head_plain, h_obf
         steps.update(2)
 
-        has_qkv_bias = source.has("q", 0, "bias")
         for i in range(shape.num_layers):
             flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, kappa, has_qkv_bias, spec,
                                       params, compute_dtype)
@@ -250,9 +272,10 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         steps.close()
         writer.finish()
 
+        for done in hashed:
+            done.result()
         fingerprint = fp.hexdigest()
-        out_cfg = output_config(cfg, spec, shape, D, float(cfg.get("rms_norm_eps", 1e-6)), has_qkv_bias,
-                                out_dtype, vocab_perm)
+        out_cfg = out_cfg.result()
         (staging.tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True, allow_nan=False) + "\n")
         special = _special_ids(source)
         gen = {k: _map_ids(v, vocab_perm) for k, v in special.items()}
@@ -281,6 +304,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         if staged_key is not None:
             staged_key.unlink(missing_ok=True)
         raise
+    finally:
+        background.shutdown(cancel_futures=True)
     publish_key(staged_key, key_out)  # after the model: a key in place always has its model
     return ObfuscationResult(out, key_out, fingerprint, D, secrets.h, time.perf_counter() - t0, writer.total_bytes, flops)
 

