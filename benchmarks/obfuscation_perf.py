@@ -135,10 +135,15 @@ for _ in range(2):
     probe32()
 rss_before = vm_hwm_kib()
 load_before = os.getloadavg()[0]
+import resource
+cpu0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 res = obfuscate(src, Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", resolve_params(sys.argv[3]), seed=1,
                 allow_weak_seed=True, overwrite=True, progress=False)
 wall = time.perf_counter() - t - probe_seconds[0]
+cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = {"user_seconds": cpu1.ru_utime - cpu0.ru_utime, "sys_seconds": cpu1.ru_stime - cpu0.ru_stime,
+       "minor_faults": cpu1.ru_minflt - cpu0.ru_minflt, "probe_wall_seconds": probe_seconds[0]}
 for _ in range(2):
     probe()
     probe32()
@@ -148,7 +153,7 @@ rates = [r for _, r in probes]
 print(json.dumps({"src": src.name, "src_bytes": src.stat().st_size, "wall_seconds": wall, "flops": res.flops,
                   "output_bytes": res.bytes_written, "hidden_size": res.hidden_size, "h": res.h,
                   "rss_before_kib": rss_before, "peak_rss_kib": vm_hwm_kib(), "phase_seconds": phase,
-                  "background_seconds": background,
+                  "background_seconds": background, "cpu": cpu,
                   "roofline_probe_gflops": rates, "float32_probe_gflops": probes32,
                   # code from before product_dtype existed ran every product in float64
                   "product_dtype": str(getattr(pipeline, "product_dtype", lambda *_: torch.float64)(
@@ -232,6 +237,9 @@ def run_model(model: str, preset: str, threads: int, probe_every: int, omp_wait_
         r["fraction_of_float32_roofline"] = r["gflops_achieved"] / r["float32_roofline_gflops"]
     r["matmul_seconds_at_roofline"] = r["flops"] / (r["roofline_gflops"] * 1e9)
     r["omp_wait_policy"] = omp_wait_policy or "default"
+    # share of the machine's cores the run kept busy: CPU time minus the probes' (their wall time x threads)
+    busy = r["cpu"]["user_seconds"] + r["cpu"]["sys_seconds"] - r["cpu"]["probe_wall_seconds"] * threads
+    r["cpu_utilisation"] = busy / (r["wall_seconds"] * threads)
     r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
     r["baseline_rss_mib"] = r["rss_before_kib"] / 1024
     r["output_mib"] = r["output_bytes"] / 2**20
@@ -273,7 +281,8 @@ def main() -> None:
               f"{r['fraction_of_float32_roofline']:.2f} of the float32 rate {r['float32_roofline_gflops']:.1f} "
               f"(products in {r['product_dtype']}); peak RSS "
               f"{r['peak_rss_mib']:.0f} MiB (imports {r['baseline_rss_mib']:.0f} MiB), output {r['output_mib']:.0f} MiB;"
-              f" load {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}\n  phases: {ph}"
+              f" load {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}; CPU user {r['cpu']['user_seconds']:.1f} s +"
+              f" sys {r['cpu']['sys_seconds']:.1f} s (less the probes') = {r['cpu_utilisation']:.2f} of {a.threads} cores x wall\n  phases: {ph}"
               f"; overlapped on a worker thread: {bg or 'none'}", flush=True)
     print(f"wrote {RESULTS}")
 
