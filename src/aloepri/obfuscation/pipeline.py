@@ -320,11 +320,17 @@ def massive_activation_dims(source: SourceCheckpoint, num_layers: int, count: in
     for i in range(num_layers):
         role = next((r for r in ("down", "shared_down") if _has_role(source, r, i)), None)
         if role is not None:
-            rows = source.get(role, i).pow(2).sum(dim=1)
+            rows = _row_energy(source.get(role, i, dtype=None))
         else:  # routed experts only (Mixtral): their down projections, a third of the layer's weights
-            rows = sum(source.get("expert_down", i, expert=e).pow(2).sum(dim=1) for e in range(source.num_experts))
+            rows = sum(_row_energy(source.get("expert_down", i, expert=e, dtype=None))
+                       for e in range(source.num_experts))
         energy = rows if energy is None else energy + rows
     return tuple(sorted(int(i) for i in torch.argsort(energy, descending=True)[:count]))
+
+
+def _row_energy(w: torch.Tensor) -> torch.Tensor:
+    """Squared row norms in float64, without a float64 copy of the (stored-precision) weight."""
+    return torch.linalg.vector_norm(w, dim=1, dtype=torch.float64).square()
 
 
 def _has_role(source: SourceCheckpoint, role: str, layer: int) -> bool:
