@@ -23,6 +23,7 @@ from aloepri.attacks import REGISTRY
 from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.behavioural import run_behavioural, run_composed
 from aloepri.attacks.cli import private_data
+from variants import parse_variant  # same directory
 
 RESULTS = Path(__file__).parent / "results" / "attack_behavioural.json"
 ATTACKS = ["behavioural", "behavioural-composed"]
@@ -36,7 +37,10 @@ REDUCED = {"round_seqs": (96,), "rerank_ids": 0}
 
 
 def target_params(target: str):
-    """exact / default / paper, or 'alpha-X': the default preset with alpha_e = alpha_h = X."""
+    """exact / default / paper, 'alpha-X' (the default preset with alpha_e = alpha_h = X), or a preset with
+    overrides, 'PRESET:key=value,...' (benchmarks/variants.py; e.g. default:lam=0.1)."""
+    if ":" in target:
+        return parse_variant(target)[1]
     if target in ("exact", "default", "paper"):
         return aloepri.resolve_params(target)
     if target.startswith("alpha-"):

@@ -28,6 +28,7 @@ from aloepri.attacks.data import private_prompts
 from aloepri.attacks.inversion import ISAConfig, _ima, isa_anchor_attack, isa_attention_attack
 from aloepri.attacks.nn import run_nn
 from aloepri.obfuscation.secrets import effective_h
+from variants import parse_variant  # same directory
 
 RESULTS = Path(__file__).parent / "results" / "expansion_sweep.json"
 ATTACKS = ("fidelity", "isa_anchor", "nn", "isa_attention", "ima")
@@ -84,6 +85,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen"])
     ap.add_argument("--hs", default="", help="comma list of requested h (default: 2,16,d/8,d/4,128)")
     ap.add_argument("--presets", default="exact,default")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=PRESET:key=value,...",
+                    help="also run a preset with overrides under its own label (benchmarks/variants.py), e.g. "
+                         "default_beta1=default:beta=1; repeatable")
     ap.add_argument("--attacks", default="fidelity,isa_anchor,nn", help=f"comma list from {','.join(ATTACKS)}")
     ap.add_argument("--budget", default="ci", choices=["ci", "small", "full"])
     ap.add_argument("--prompts", type=int, default=20, help="victim PII prompts (Faker, seed 7)")
@@ -108,8 +112,10 @@ def main() -> None:
         raise SystemExit(f"unknown attack(s) {sorted(unknown)}; choose from {ATTACKS}")
     isa_cfg = ISAConfig.for_budget(budget, max_prompts=args.isa_prompts, max_len=args.isa_len)
 
+    variants = {p: aloepri.resolve_params(p) for p in args.presets.split(",") if p}
+    variants.update(parse_variant(v) for v in args.variant)
     plain = None
-    for preset in args.presets.split(","):
+    for preset, base in variants.items():
         for req in (args.hs.split(",") if args.hs else ["2", "16", "d/8", "d/4", "128"]):
             if plain is None:
                 plain = AttackTarget(src, src, None).plain_model.config
@@ -123,7 +129,7 @@ def main() -> None:
             out, key = work / f"{args.model}-{preset}-h{h_eff}", work / f"{args.model}-{preset}-h{h_eff}.key"
             if not (out / "config.json").exists():
                 t0 = time.perf_counter()
-                aloepri.obfuscate(src, out, key, aloepri.resolve_params(preset, h=h_eff), seed=4242,
+                aloepri.obfuscate(src, out, key, base.replace(h=h_eff), seed=4242,
                                   allow_weak_seed=True, progress=False, overwrite=True)
                 print(f"obfuscated {preset} h={h_eff} in {time.perf_counter() - t0:.0f}s", flush=True)
             target = AttackTarget(src, out, key)
@@ -142,7 +148,7 @@ def main() -> None:
                 entry.update(model=args.model, preset=preset, h_requested=h_req, h_effective=h_eff,
                              hidden_size=d + 2 * h_eff, plain_hidden_size=d, seconds=time.perf_counter() - t0,
                              victim=f"{args.prompts} Faker PII prompts, seed 7", obfuscation_seed=4242,
-                             params=aloepri.resolve_params(preset, h=h_eff).to_dict(),
+                             params=base.replace(h=h_eff).to_dict(),
                              time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
                 _save(k, entry)
                 shown = (f"top1={entry['top1_agreement']:.3f}" if attack == "fidelity"

@@ -197,6 +197,17 @@ def synthetic_checkpoint(directory: Path, layers: int = 40, d: int = 1024, f: in
     return directory
 
 
+def cpu_model() -> str:
+    """The CPU's model name: the roofline, and so the fraction, differ between machines of the same kind."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def git_revision() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -262,7 +273,8 @@ def main() -> None:
     if "runs" not in out:  # the earlier single-run format: keep it under its own label
         out = {"runs": {"initial (before per-phase timing)": out}} if out else {"runs": {}}
     run = out["runs"].setdefault(a.label, {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                                           "threads": a.threads, "preset": a.preset, "models": {}})
+                                           "cpu_model": cpu_model(), "threads": a.threads, "preset": a.preset,
+                                           "models": {}})
     run["code"] = git_revision()
     for m in a.models:
         if m in run["models"] and not a.force:

@@ -1,5 +1,5 @@
-"""Served cost of the expansion h: TTFT and TPOT of obfuscated vs plaintext SmolLM2-135M on llama.cpp and on vLLM
-(CPU), side by side in one run, next to the FLOP ratio and the byte ratios.
+"""Served cost of the expansion h: TTFT and TPOT of obfuscated vs plaintext SmolLM2-135M (or --model qwen-coder) on
+llama.cpp and on vLLM (CPU), side by side in one run, next to the FLOP ratio and the byte ratios.
 
 Models: the plaintext reference directory (the f32 weights the obfuscation starts from) and the ``exact`` preset
 at every --h (cost does not depend on noise; exact also makes both models generate the same tokens, which is
@@ -197,12 +197,13 @@ def interleave(names: list[str], prompts: list[list[int]], reps: int, request) -
 def main() -> None:
     import aloepri
     from aloepri.export.gguf import GGUFExportError, export_gguf, plaintext_reference_dir
-    from aloepri.models import smollm2_gguf
+    from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
     from aloepri.obfuscation.secrets import effective_h
     from aloepri.obfuscation.server_tokenizer import ids_to_neutral_text
     from aloepri.runtime.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
     ap.add_argument("--engines", nargs="+", default=["llamacpp", "vllm"], choices=["llamacpp", "vllm"])
     ap.add_argument("--h", type=int, nargs="+", default=[2, 16, 72, 144, 128])
     ap.add_argument("--tokens", type=int, default=48, help="decoded tokens per request (EOS ignored)")
@@ -236,7 +237,7 @@ def main() -> None:
             pair["ratios"].update(robust_ratios(pair["obfuscated"], pair["plain"]))
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
         return
-    src = smollm2_gguf()
+    src = {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}[a.model]()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     out_path = Path(a.out)

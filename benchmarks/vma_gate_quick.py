@@ -2,7 +2,8 @@
 
 Preliminary (the attack suite is issue 4/5). What the attacker uses: the public plaintext SmolLM2 and the
 obfuscated weights, no key. For layer l, W~_e W~_gate^T = Pi (W_e + N) diag(w_l) W_gate,l^T Z_l: the key
-matrices cancel (P Q = I), the FFN permutation Z_l only permutes columns, so sorting every row removes it.
+matrices cancel (P Q = I), the FFN permutation Z_l only permutes columns, so sorting every row removes it. Both
+sides fuse their own RMSNorm weight (the obfuscated model's is kappa, except at kept outlier dimensions).
 Each obfuscated row is matched to the nearest sorted plaintext row (candidate pool: the FULL vocabulary),
 distances summed over the first --layers layers (voting). Reported: fraction of sampled obfuscated ids whose
 nearest plaintext token is the true one. Results: benchmarks/results/vma_gate_quick.json
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +24,9 @@ from aloepri import load_key, obfuscate, resolve_params
 from aloepri.obfuscation.checkpoint import GGUFCheckpoint
 from aloepri.models import smollm2_gguf
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import parse_variant  # noqa: E402
+
 
 def sorted_rows(m: torch.Tensor) -> torch.Tensor:
     return torch.sort(m.float(), dim=1).values
@@ -29,12 +34,14 @@ def sorted_rows(m: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", nargs="*", default=["exact", "default", "paper"])
+    ap.add_argument("--presets", nargs="*", default=["exact", "default", "paper"],
+                    help="presets, or variants LABEL=PRESET:key=value,... (benchmarks/variants.py)")
     ap.add_argument("--default-alpha-e", nargs="*", type=float, default=[0.3, 0.5],
                     help="extra runs: the default preset with these alpha_e values")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vma_gate_quick.json"))
     a = ap.parse_args()
     torch.set_num_threads(2)
     src = smollm2_gguf()
@@ -43,7 +50,7 @@ def main() -> None:
     plain = [sorted_rows(embed @ (ck.get("gate", l).float() * ck.get("ffn_norm", l).float()[None, :]).T)
              for l in range(a.layers)]
     out = {"model": src.name, "layers": a.layers, "queries": a.queries, "candidate_pool": embed.shape[0], "runs": {}}
-    settings = [(p, resolve_params(p)) for p in a.presets]
+    settings = [parse_variant(p) for p in a.presets]
     settings += [(f"default,alpha_e={x}", resolve_params("default", alpha_e=x)) for x in a.default_alpha_e]
     for preset, params in settings:
         with tempfile.TemporaryDirectory() as work:
@@ -62,15 +69,18 @@ def main() -> None:
             e_obf = tensor("model.embed_tokens.weight")[torch.from_numpy(obf_ids)]
             dist = torch.zeros(a.queries, embed.shape[0])
             for l in range(a.layers):
-                q = sorted_rows(e_obf @ tensor(f"model.layers.{l}.mlp.gate_proj.weight").T)
+                # the server's own norm weight fused, as on the plaintext side: with outlier_dims > 0 the kept
+                # dimensions keep theirs there (not in gate_proj); without it those columns are mis-scaled
+                gate = tensor(f"model.layers.{l}.mlp.gate_proj.weight")
+                gate = gate * tensor(f"model.layers.{l}.post_attention_layernorm.weight")[None, :]
+                q = sorted_rows(e_obf @ gate.T)
                 dist += torch.cdist(q, plain[l])
             guess = dist.argmin(dim=1).numpy()
             rate = float((guess == plain_ids).mean())
         out["runs"][preset] = {"recovered_fraction": rate, "params": params.to_dict()}
         print(f"{preset:22s} VMA(embed x gate, {a.layers} layers, full vocabulary pool): {rate:.3f} of "
               f"{a.queries} sampled tokens recovered", flush=True)
-    path = Path(__file__).parent / "results" / "vma_gate_quick.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":
