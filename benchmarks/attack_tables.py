@@ -31,6 +31,7 @@ from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.cli import private_data
 from aloepri.attacks.nn import permutation_only_target
 from aloepri.attacks.report import ABLATION_ROWS, ablation_params
+from variants import parse_variant  # same directory
 
 RESULTS = Path(__file__).parent / "results" / "attack_tables.json"
 MY_ATTACKS = ["vma", "gate-ia", "attn-ia", "attn-ia-sorted", "nn"]
@@ -43,6 +44,9 @@ def model_src(name: str) -> Path:
 
 
 def target_params(target: str):
+    """A preset, exact-nohp, ablation-N, or a preset with overrides 'PRESET:key=value,...' (benchmarks/variants.py)."""
+    if ":" in target:
+        return parse_variant(target)[1]
     if target in ("exact", "default", "paper"):
         return aloepri.resolve_params(target)
     if target == "exact-nohp":
