@@ -238,6 +238,8 @@ def main() -> None:
         plaintext_reference_dir(src, work / "plain")
     models: dict[str, tuple[Path, object]] = {"plain": (work / "plain", None)}
     variants = [parse_variant(v) for v in a.presets]
+    # a label names the parameters it was run with (a preset's meaning can change between versions)
+    study.setdefault("variants", {}).update({label: params.to_dict() for label, params in variants})
     for preset, params in variants:
         for seed in a.seeds:
             d = work / f"{preset}-s{seed}"
