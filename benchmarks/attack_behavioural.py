@@ -23,7 +23,6 @@ from aloepri.attacks import REGISTRY
 from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.behavioural import run_behavioural, run_composed
 from aloepri.attacks.cli import private_data
-from variants import parse_variant  # same directory
 
 RESULTS = Path(__file__).parent / "results" / "attack_behavioural.json"
 ATTACKS = ["behavioural", "behavioural-composed"]
@@ -37,16 +36,12 @@ REDUCED = {"round_seqs": (96,), "rerank_ids": 0}
 
 
 def target_params(target: str):
-    """exact / default / paper, 'alpha-X' (the default preset with alpha_e = alpha_h = X), or a preset with
-    overrides, 'PRESET:key=value,...' (benchmarks/variants.py; e.g. default:lam=0.1)."""
-    if ":" in target:
-        return parse_variant(target)[1]
-    if target in ("exact", "default", "paper"):
-        return aloepri.resolve_params(target)
+    """'alpha-X' (the default preset with alpha_e = alpha_h = X), or any target attack_tables names (a preset,
+    or a preset with overrides 'PRESET:key=value,...', e.g. default:lam=0.1)."""
     if target.startswith("alpha-"):
         a = float(target.split("-", 1)[1])
         return aloepri.resolve_params("default", alpha_e=a, alpha_h=a)
-    raise ValueError(f"unknown target {target}")
+    return attack_tables.target_params(target)
 
 
 def build_target(src: Path, target: str, work: Path, seed: int, plain_model) -> AttackTarget:
