@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -217,6 +218,9 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/aloepri-serving-cost")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--recompute", action="store_true", help="only recompute the robust ratios of --out")
+    ap.add_argument("--control", action="store_true",
+                    help="also serve a copy of the plaintext model as if it were obfuscated: the ratios the set-up "
+                         "itself reads for two identical models (start order, placement)")
     a = ap.parse_args()
 
     if a.recompute:
@@ -272,6 +276,11 @@ def main() -> None:
             print(f"obfuscated h={hh} in {time.monotonic() - t0:.0f} s", flush=True)
         dirs[f"D{d + 2 * hh}"] = dd / "server"
         keys[f"D{d + 2 * hh}"] = aloepri.load_key(dd / "client.key")
+    if a.control:
+        copy = work / "plain-copy"
+        if not (copy / "config.json").exists():
+            shutil.copytree(work / "plain", copy)
+        dirs["plain-copy"] = copy  # no key: ids go through unchanged
     key0 = next(iter(keys.values()))
     tok = load_tokenizer(key0, src)
     prompts = []
