@@ -195,6 +195,7 @@ def test_default_is_exact_but_for_its_noise(arch, tiny_dir, obfuscated):
     assert err <= 1e-9, err
 
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "deepseek_v3"])
 def test_no_expansion_h0_stays_exact(arch, tiny_dir, obfuscated):
     """h = 0 (the `default` preset since the expansion was measured to buy nothing, docs/expansion.md): the
