@@ -95,7 +95,7 @@ def _assert_server_saw_no_plaintext(exchange, prompt_ids, question, answer):
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_openai_sdk_chat_through_proxy_equals_plaintext(stack, expected, question):
     stack["recorder"].clear()
-    r = _sdk(stack).chat.completions.create(model="anything", messages=[{"role": "user", "content": question}],
+    r = _sdk(stack).chat.completions.create(model="server", messages=[{"role": "user", "content": question}],
                                             max_tokens=MAX_TOKENS, temperature=0)
     want = expected[question]
     assert r.choices[0].message.content == want["text"]
@@ -113,7 +113,7 @@ def test_openai_sdk_chat_through_proxy_equals_plaintext(stack, expected, questio
 def test_openai_sdk_streaming_chat_through_proxy_equals_plaintext(stack, expected, question):
     stack["recorder"].clear()
     stream = _sdk(stack).chat.completions.create(
-        model="anything", messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, temperature=0,
+        model="server", messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, temperature=0,
         stream=True, stream_options={"include_usage": True})
     pieces, finish, usage = [], None, None
     for chunk in stream:
@@ -149,7 +149,7 @@ def test_client_backends_equal_plaintext(stack, expected, backend):
 def test_stop_string_is_applied_on_the_client(stack, expected):
     q = QUESTIONS[0]
     stack["recorder"].clear()
-    r = _sdk(stack).chat.completions.create(model="m", messages=[{"role": "user", "content": q}],
+    r = _sdk(stack).chat.completions.create(model="server", messages=[{"role": "user", "content": q}],
                                             max_tokens=MAX_TOKENS, temperature=0, stop=["Paris"])
     full = expected[q]["text"]
     assert r.choices[0].message.content == full[: full.index("Paris")]
@@ -268,7 +268,7 @@ def test_openai_sdk_through_proxy_on_llama_cpp_equals_plaintext_on_llama_cpp(lla
     messages = [{"role": "user", "content": question}]
     if stream:
         pieces, finish, usage = [], None, None
-        for chunk in sdk.chat.completions.create(model="m", messages=messages, max_tokens=LLAMA_MAX_TOKENS,
+        for chunk in sdk.chat.completions.create(model="obfuscated", messages=messages, max_tokens=LLAMA_MAX_TOKENS,
                                                  stream=True, stream_options={"include_usage": True}, **GREEDY):
             usage = chunk.usage or usage
             for c in chunk.choices:
@@ -277,7 +277,7 @@ def test_openai_sdk_through_proxy_on_llama_cpp_equals_plaintext_on_llama_cpp(lla
         content = "".join(pieces)
         assert sum(1 for p in pieces if p) > 3  # really streamed, not one blob
     else:
-        r = sdk.chat.completions.create(model="m", messages=messages, max_tokens=LLAMA_MAX_TOKENS, **GREEDY)
+        r = sdk.chat.completions.create(model="obfuscated", messages=messages, max_tokens=LLAMA_MAX_TOKENS, **GREEDY)
         content, finish, usage = r.choices[0].message.content, r.choices[0].finish_reason, r.usage
         assert r.choices[0].message.role == "assistant"
     ex, body, sent_ids, reply_server_ids = _llamacpp_exchange(llamacpp, stream)

@@ -111,13 +111,13 @@ class Upstream:
 
 
 def _chat(url, stream=False, **kw):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
             "stream": stream, **kw}
     return httpx2.post(url + "/v1/chat/completions", json=body, timeout=30)
 
 
 def _complete(url, stream=False, **kw):
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": stream,
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": stream,
             "return_token_ids": True, **kw}
     return httpx2.post(url + "/v1/completions", json=body, timeout=30)
 

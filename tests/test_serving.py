@@ -199,14 +199,14 @@ def test_proxy_chat_and_completions_with_openai_sdk(tiny, plain, upstream, proxy
     msgs = [{"role": "user", "content": "hi!"}]
     want = tok.decode(greedy(plain, tok.apply_chat_template(msgs), 24, 2))
     c = sdk(proxy["url"])
-    r = c.chat.completions.create(model="x", messages=msgs, temperature=0)
+    r = c.chat.completions.create(model="server", messages=msgs, temperature=0)
     assert r.choices[0].message.content == want and r.model == proxy["proxy"].model_name
-    r = c.completions.create(model="x", prompt=PROMPT, max_tokens=10, temperature=0,
+    r = c.completions.create(model="server", prompt=PROMPT, max_tokens=10, temperature=0,
                              extra_body={"return_token_ids": True})
     ids = greedy(plain, PROMPT, 10, 2)
     assert r.choices[0].text == tok.decode(ids) and r.choices[0].model_extra["token_ids"] == ids
-    texts = [ch.choices[0].text for ch in c.completions.create(model="x", prompt="a:b", max_tokens=8, temperature=0,
-                                                                  stream=True) if ch.choices]
+    texts = [ch.choices[0].text for ch in c.completions.create(model="server", prompt="a:b", max_tokens=8,
+                                                                  temperature=0, stream=True) if ch.choices]
     assert "".join(texts) == tok.decode(greedy(plain, tok.encode("a:b"), 8, 2))
     assert [m.id for m in c.models.list().data] == [proxy["proxy"].model_name]
 
@@ -214,18 +214,18 @@ def test_proxy_chat_and_completions_with_openai_sdk(tiny, plain, upstream, proxy
 @pytest.mark.parametrize("body,needle", [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "JSON object"),
-    (json.dumps({"model": "x"}).encode(), "'messages'"),
+    (json.dumps({"model": "server"}).encode(), "'messages'"),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), "'role'"),
     (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "'content'"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), "'temperature'"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 9}).encode(), "'temperature'"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), "'max_tokens'"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), "n=1"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 0}).encode(), "'n'"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": 7}).encode(), "'stop'"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), "'stream'"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).encode(), "logprobs"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}).encode(), "'logprobs': true"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}],
-                 "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(), "tool"),
+                 "tools": [{"type": "function"}]}).encode(), "tools[0]"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 1}}).encode(), "logit_bias"),
 ])
 def test_proxy_malformed_chat_requests_are_400(proxy, body, needle):
@@ -244,7 +244,7 @@ def test_proxy_malformed_completion_requests_and_unknown_routes(proxy):
     r = httpx2.get(proxy["url"] + "/v1/nope")
     assert r.status_code == 404 and "error" in r.json()
     with pytest.raises(openai.BadRequestError):
-        sdk(proxy["url"]).chat.completions.create(model="x", messages=[])
+        sdk(proxy["url"]).chat.completions.create(model="server", messages=[])
 
 
 def _fake_upstream(behaviour: str, state: dict):
@@ -293,7 +293,7 @@ def test_proxy_upstream_errors_are_openai_errors(tiny, behaviour, status, code):
             r = httpx2.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30)
             assert r.status_code == status and r.json()["error"]["code"] == code, r.text
             with pytest.raises(openai.APIStatusError) as e:
-                sdk(url).chat.completions.create(model="x", messages=[{"role": "user", "content": "q"}])
+                sdk(url).chat.completions.create(model="aloepri", messages=[{"role": "user", "content": "q"}])
             assert e.value.status_code == status
 
 
@@ -303,7 +303,8 @@ def test_proxy_upstream_down_is_502(tiny):
     with ServerThread(p.app()) as url:
         for stream in (False, True):
             with pytest.raises(openai.APIStatusError) as e:
-                sdk(url).chat.completions.create(model="x", messages=[{"role": "user", "content": "q"}], stream=stream)
+                sdk(url).chat.completions.create(model="aloepri", messages=[{"role": "user", "content": "q"}],
+                                                 stream=stream)
             assert e.value.status_code == 502
             assert e.value.body["code"] == "upstream_unreachable"
 
@@ -312,7 +313,7 @@ def test_proxy_upstream_dropping_mid_stream_gives_an_error_event(tiny):
     with ServerThread(_fake_upstream("drop", {}), log_level="critical") as up:
         p = build_proxy(tiny["key"], up, tokenizer=CharTokenizer(), timeout=5)
         with ServerThread(p.app()) as url:
-            stream = sdk(url).chat.completions.create(model="x", messages=[{"role": "user", "content": "q"}],
+            stream = sdk(url).chat.completions.create(model="aloepri", messages=[{"role": "user", "content": "q"}],
                                                       stream=True)
             with pytest.raises(openai.APIError, match="dropped|error"):
                 for _ in stream:
@@ -344,9 +345,9 @@ def test_proxy_logs_no_plaintext_unless_asked(tiny, upstream, caplog):
         p = build_proxy(tiny["key"], upstream["url"], tokenizer=CharTokenizer(), log_plaintext=log_plaintext)
         with ServerThread(p.app()) as url, caplog.at_level(logging.DEBUG):
             caplog.clear()
-            sdk(url).chat.completions.create(model="x", messages=[{"role": "user", "content": secret}],
+            sdk(url).chat.completions.create(model="server", messages=[{"role": "user", "content": secret}],
                                              max_tokens=4, temperature=0)
-            sdk(url).chat.completions.create(model="x", messages=[{"role": "user", "content": secret}],
+            sdk(url).chat.completions.create(model="server", messages=[{"role": "user", "content": secret}],
                                              max_tokens=4, temperature=0, stream=True).close()
             logged = "\n".join(r.getMessage() for r in caplog.records)
             assert "completion_tokens=" in logged
@@ -363,7 +364,7 @@ def test_load_sixteen_concurrent_streaming_chats(tiny, plain, upstream, proxy):
     assert len(set(want.values())) > n // 2  # distinct replies, so a mix-up would show
 
     async def one(client, q):
-        stream = await client.chat.completions.create(model="x", messages=[{"role": "user", "content": q}],
+        stream = await client.chat.completions.create(model="server", messages=[{"role": "user", "content": q}],
                                                       temperature=0, stream=True)
         parts, finish = [], None
         async for chunk in stream:
@@ -422,7 +423,7 @@ def test_cli_serve_local_and_proxy_subprocesses(tiny, plain):
         health = httpx2.get(f"http://127.0.0.1:{px_port}/health").json()
         assert health["key_check"] == "verified-upstream"
         r = httpx2.post(f"http://127.0.0.1:{px_port}/v1/completions",
-                        json={"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}, timeout=60)
+                        json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == greedy(plain, PROMPT, 12, 2)  # no tokenizer: ids come back
         r = httpx2.post(f"http://127.0.0.1:{px_port}/v1/chat/completions",

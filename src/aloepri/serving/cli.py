@@ -58,6 +58,9 @@ def add_serving_commands(sub: Any) -> None:
                                                              "(default: the upstream's)")
     p.add_argument("--upstream-api-key", default=os.environ.get("ALOEPRI_UPSTREAM_API_KEY"),
                    help="bearer token for the upstream (default: $ALOEPRI_UPSTREAM_API_KEY)")
+    p.add_argument("--api-key", default=os.environ.get("ALOEPRI_PROXY_API_KEY"),
+                   help="key the proxy's own clients must send (Authorization: Bearer KEY) on every /v1 route, as "
+                        "'vllm serve --api-key' (default: $ALOEPRI_PROXY_API_KEY; none: no check)")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="reply length for chat requests that give no max_tokens (default 512)")
     p.add_argument("--max-tokens-limit", type=int, default=None,
@@ -117,15 +120,20 @@ def cmd_proxy(a: argparse.Namespace) -> int:
 
     _check_common(a)
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    if a.api_key is not None and not a.api_key.strip():
+        raise ValueError("--api-key (or $ALOEPRI_PROXY_API_KEY) is empty: give a key, or unset it for no check")
     if a.host not in _LOOPBACK:
-        print(f"warning: listening on {a.host}: anyone who reaches this port can use your key to read what the "
-              "model says; keep the proxy on loopback unless that is intended", file=sys.stderr)
+        who = "anyone with the --api-key" if a.api_key else "anyone who reaches this port"
+        print(f"warning: listening on {a.host}: {who} can use your key to read what the model says; keep the proxy "
+              "on loopback unless that is intended", file=sys.stderr)
     proxy = build_proxy(a.key, a.server, model=a.model, served_model_name=a.served_model_name, backend=a.backend,
                         tokenizer=a.tokenizer, server_tokenizer=a.server_tokenizer, api_key=a.upstream_api_key,
                         timeout=a.timeout, log_plaintext=a.log_plaintext, chat_max_tokens=a.max_tokens,
-                        verify=not a.no_verify, model_meta=a.model_meta, max_tokens_limit=a.max_tokens_limit)
+                        verify=not a.no_verify, model_meta=a.model_meta, max_tokens_limit=a.max_tokens_limit,
+                        client_api_key=a.api_key)
     print(f"aloepri proxy: http://{a.host}:{a.port}/v1 -> {a.server} ({a.backend}), model '{proxy.model_name}', "
-          f"key check: {proxy.fingerprint_status}", file=sys.stderr, flush=True)
+          f"key check: {proxy.fingerprint_status}, client API key: {'required' if a.api_key else 'none'}",
+          file=sys.stderr, flush=True)
     uvicorn.run(proxy.app(), host=a.host, port=a.port, log_level=a.log_level, access_log=False)
     return 0
 

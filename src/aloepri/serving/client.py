@@ -108,11 +108,16 @@ class GenerationParams:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # plaintext token id -> bias
     stop: list[str] = field(default_factory=list)
+    n: int = 1  # choices per request
+    logprobs: int | None = None  # None: none; k: each reply token's log-probability and the k most likely tokens
 
     def sampling(self) -> dict[str, Any]:
         keys = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+ServerLogprob = tuple[float, list[tuple[int, float]]]  # (logprob of the sampled id, [(server id, logprob), ...])
 
 
 @dataclass
@@ -122,6 +127,21 @@ class Piece:
     ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | None while generating
     usage: dict[str, Any] | None = None
+    index: int = 0  # which choice (n > 1)
+    logprobs: list[ServerLogprob] | None = None  # one per id, when asked for
+
+
+@dataclass
+class TokenLogprob:
+    """One reply token's log-probability, in plaintext. ``token`` is the text this token adds to the reply (the
+    tokens' texts concatenate to the reply text; a token inside a multi-byte character adds "" and the one that
+    completes it the whole character); ``top``: the most likely tokens at that step as (plaintext id, its own
+    text, logprob), most likely first."""
+
+    token_id: int
+    token: str | None
+    logprob: float
+    top: list[tuple[int, str | None, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -131,6 +151,8 @@ class Delta:
     text: str | None  # None without a tokenizer
     token_ids: list[int]
     finish_reason: str | None = None
+    index: int = 0  # which choice (n > 1)
+    logprobs: list[TokenLogprob] | None = None  # of the tokens whose text this delta hands out, when asked for
 
 
 @dataclass
@@ -143,6 +165,8 @@ class Completion:
     server_reply_ids: list[int]  # what the server produced (permuted ids, EOS included if it sent one)
     usage: dict[str, int]
     seconds: float = 0.0
+    index: int = 0  # which choice (n > 1)
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``text``, when asked for
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -211,6 +235,15 @@ class Call:
         """End of the event stream: anything the parser still held back."""
         return Piece()
 
+    def parse_response_all(self, data: Any) -> list[Piece]:
+        """The whole answer, one :class:`Piece` per choice (backends without ``n`` have one)."""
+        return [self.parse_response(data)]
+
+    def parse_events(self, data: Any) -> list[Piece]:
+        """One event, one :class:`Piece` per choice it carries."""
+        piece = self.parse_event(data)
+        return [] if piece is None else [piece]
+
     @staticmethod
     def _require(cond: bool, what: str) -> None:
         if not cond:
@@ -222,6 +255,7 @@ class Backend:
 
     name = ""
     ends_with_done = True  # the stream ends with "data: [DONE]"
+    features: frozenset[str] = frozenset()  # of "n" (several choices) and "logprobs"
 
     def start(self, server_ids: list[int], params: GenerationParams, max_tokens: int | None, stream: bool,
               model: str | None, key: KeyFile) -> Call:
@@ -258,6 +292,40 @@ def _first_choice(data: Any) -> dict | None:
     return choices[0]
 
 
+def _token_id_label(label: Any, what: str) -> int:
+    """vLLM's ``return_tokens_as_token_ids`` labels a token ``"token_id:N"``."""
+    if isinstance(label, str) and label.startswith("token_id:"):
+        try:
+            return int(label[9:])
+        except ValueError:
+            pass
+    raise UpstreamProtocolError(f"unexpected answer from the server: {what} is not a 'token_id:N' label (does it "
+                                "support return_tokens_as_token_ids?)")
+
+
+def _server_logprobs(lp: Any, ids: list[int]) -> list[ServerLogprob]:
+    """A choice's ``logprobs`` in vLLM's completions shape (tokens labelled by id), one entry per id."""
+    Call._require(isinstance(lp, dict), "choices[].logprobs is not an object")
+    tokens, token_lps, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
+    Call._require(isinstance(tokens, list) and isinstance(token_lps, list) and len(tokens) == len(token_lps)
+                  == len(ids), "choices[].logprobs does not have one entry per token id")
+    if tops is None:
+        tops = [None] * len(ids)
+    Call._require(isinstance(tops, list) and len(tops) == len(ids), "choices[].logprobs.top_logprobs")
+    out = []
+    for label, sid, value, top in zip(tokens, ids, token_lps, tops):
+        Call._require(_token_id_label(label, "a logprobs token") == sid, "logprobs name other tokens than token_ids")
+        Call._require(isinstance(value, (int, float)) and not isinstance(value, bool), "a token logprob")
+        pairs = []
+        if top is not None:
+            Call._require(isinstance(top, dict), "a top_logprobs entry is not an object")
+            for k, v in top.items():
+                Call._require(isinstance(v, (int, float)) and not isinstance(v, bool), "a top logprob")
+                pairs.append((_token_id_label(k, "a top_logprobs token"), float(v)))
+        out.append((float(value), pairs))
+    return out
+
+
 class _OpenAIIdsCall(Call):
 
     def _ids_of(self, choice: dict) -> list[int]:
@@ -287,11 +355,40 @@ class _OpenAIIdsCall(Call):
             return Piece(usage=data.get("usage"))
         return Piece(self._ids_of(choice), _openai_finish(choice.get("finish_reason")), data.get("usage"))
 
+    def _piece(self, choice: Any, ids: list[int], usage: Any, finish: str | None) -> Piece:
+        self._require(isinstance(choice, dict), "choice is not an object")
+        index = choice.get("index", 0)
+        self._require(isinstance(index, int) and not isinstance(index, bool), "choices[].index")
+        lp = choice.get("logprobs")
+        return Piece(ids, finish, usage, index, None if lp is None or not ids else _server_logprobs(lp, ids))
+
+    def parse_response_all(self, data: Any) -> list[Piece]:
+        self._require(isinstance(data, dict) and isinstance(data.get("choices"), list) and data["choices"],
+                      "no choices")
+        pieces = []
+        for choice in data["choices"]:
+            first = self.parse_response({"choices": [choice]})
+            pieces.append(self._piece(choice, first.ids, data.get("usage") if not pieces else None,
+                                      first.finish_reason))
+        return pieces
+
+    def parse_events(self, data: Any) -> list[Piece]:
+        if _first_choice(data) is None:
+            return [Piece(usage=data.get("usage"))]
+        pieces = []
+        for choice in data["choices"]:
+            self._require(isinstance(choice, dict), "choice is not an object")
+            pieces.append(self._piece(choice, self._ids_of(choice), data.get("usage") if not pieces else None,
+                                      _openai_finish(choice.get("finish_reason"))))
+        return pieces
+
 
 class OpenAICompletionsBackend(Backend):
-    """``/v1/completions`` with int prompts and ``return_token_ids`` (vLLM, aloepri serve-local)."""
+    """``/v1/completions`` with int prompts and ``return_token_ids`` (vLLM, aloepri serve-local). ``n`` and
+    ``logprobs`` are forwarded; logprobs come back labelled by token id (vLLM's ``return_tokens_as_token_ids``)."""
 
     name = "openai-completions"
+    features = frozenset({"n", "logprobs"})
 
     def __init__(self, send_stop_token_ids: bool = True):
         self.send_stop_token_ids = send_stop_token_ids
@@ -309,6 +406,11 @@ class OpenAICompletionsBackend(Backend):
         eos = key.obfuscated_eos_ids()
         if self.send_stop_token_ids and eos:
             body["stop_token_ids"] = eos  # already the permuted ids; the server needs no plaintext for this
+        if params.n != 1:
+            body["n"] = params.n
+        if params.logprobs is not None:
+            # the server's token strings would be its neutral symbols: ask for ids, which the key maps back
+            body["logprobs"], body["return_tokens_as_token_ids"] = params.logprobs, True
         if stream:
             body["stream_options"] = {"include_usage": True}
         return _OpenAIIdsCall("/v1/completions", body)
@@ -490,8 +592,9 @@ class IncrementalDetokenizer:
 class ReplyDecoder:
     """Server ids in, plaintext deltas out: inverse permutation, EOS, incremental detokenization, stop strings."""
 
-    def __init__(self, key: KeyFile, tokenizer: Any, stop: Sequence[str] = (), max_tokens: int | None = None):
-        self.key, self.tokenizer = key, tokenizer
+    def __init__(self, key: KeyFile, tokenizer: Any, stop: Sequence[str] = (), max_tokens: int | None = None,
+                 index: int = 0):
+        self.key, self.tokenizer, self.index = key, tokenizer, index
         self.eos = set(key.obfuscated_eos_ids())
         self.stop = [s for s in stop if s]
         self.cut_by_stop_string = False  # the client ended the reply: the server would have gone on
@@ -503,15 +606,25 @@ class ReplyDecoder:
         self._text = ""  # decoded so far
         self._released = 0  # characters of _text handed out
         self._final_text: str | None = None
+        # logprobs, when the server sends them: one entry per reply token, handed out with the text it covers
+        self.logprobs: list[TokenLogprob] | None = None  # handed out
+        self._lp_all: list[TokenLogprob] | None = None
+        self._lp_text = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._lp_ends: list[int] = []  # where each entry's text ends in _text
+        self._lp_released = 0  # entries handed out
+        self._top_text: dict[int, str] = {}
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def feed(self, server_ids: Sequence[int]) -> Delta:
-        """New server ids -> the plaintext delta they complete (may be empty while text is held back)."""
+    def feed(self, server_ids: Sequence[int], logprobs: Sequence[ServerLogprob] | None = None) -> Delta:
+        """New server ids (and, when asked for, their logprobs) -> the plaintext delta they complete (may be empty
+        while text is held back)."""
         new_plain: list[int] = []
-        for sid in server_ids:
+        if logprobs is not None and self._lp_all is None:
+            self.logprobs, self._lp_all = [], []
+        for j, sid in enumerate(server_ids):
             if self.done:
                 break
             self.server_ids.append(int(sid))
@@ -523,16 +636,66 @@ class ReplyDecoder:
             pid = int(self.key.inverse_permutation[sid])
             self.plain_ids.append(pid)
             new_plain.append(pid)
+            if logprobs is not None:
+                self._add_logprob(pid, logprobs[j])
             if self.max_tokens is not None and len(self.plain_ids) >= self.max_tokens:
                 self.finish_reason = "length"
         text = self._detokenize(new_plain, final=self.done)
-        return Delta(text, new_plain, self.finish_reason)
+        return Delta(text, new_plain, self.finish_reason, self.index, self._take_logprobs())
 
     def finish(self, reason: str | None) -> Delta:
         """The server ended the reply (reason as it said, normalized)."""
         if not self.done:
             self.finish_reason = reason or "stop"
-        return Delta(self._detokenize([], final=True), [], self.finish_reason)
+        return Delta(self._detokenize([], final=True), [], self.finish_reason, self.index, self._take_logprobs())
+
+    # -- logprobs: the server's ids mapped back; each token's text is its share of the reply text
+    def _plain_id(self, sid: int) -> int:
+        if not 0 <= sid < self.key.vocab_size:
+            raise UpstreamProtocolError(f"the server sent a logprob for token id {sid}, outside the vocabulary")
+        return int(self.key.inverse_permutation[sid])
+
+    def _token_text(self, pid: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if pid not in self._top_text:
+            self._top_text[pid] = self.tokenizer.decode([pid], skip_special_tokens=False)
+        return self._top_text[pid]
+
+    def _add_logprob(self, pid: int, server_lp: ServerLogprob) -> None:
+        value, top = server_lp
+        plain_top = sorted(((self._plain_id(t), lp) for t, lp in top), key=lambda x: -x[1])
+        piece = self._lp_text.push([pid]) if self._lp_text is not None else None
+        self._lp_all.append(TokenLogprob(pid, piece, value, [(t, self._token_text(t), lp) for t, lp in plain_top]))
+        self._lp_ends.append((self._lp_ends[-1] if self._lp_ends else 0) + len(piece or ""))
+
+    def _take_logprobs(self) -> list[TokenLogprob] | None:
+        """The entries whose text has been handed out (all of them once the reply is over; the token a stop
+        string cut keeps the text before the cut, those past it are dropped)."""
+        if self._lp_all is None:
+            return None
+        final = self._final_text is not None or self._detok is None
+        if self._final_text is not None and self._lp_all and self._lp_text is not None:
+            rest = self._lp_text.flush()  # what the per-token detokenizer still held goes to the last token
+            if rest:
+                self._lp_all[-1].token = (self._lp_all[-1].token or "") + rest
+                self._lp_ends[-1] += len(rest)
+        limit = (len(self._final_text) if self._final_text is not None else self._released) \
+            if self._detok is not None else None
+        out = []
+        while self._lp_released < len(self._lp_all):
+            i = self._lp_released
+            entry, start = self._lp_all[i], (self._lp_ends[i - 1] if i else 0)
+            if limit is None or self._lp_ends[i] <= limit:
+                out.append(entry)
+            elif final and start < limit:
+                entry.token = (entry.token or "")[: limit - start]
+                out.append(entry)
+            elif not final:
+                break
+            self._lp_released += 1
+        self.logprobs.extend(out)
+        return out
 
     @property
     def text(self) -> str | None:
@@ -660,12 +823,14 @@ class _Core:
         return self.timeout
 
     # -- prompts
-    def chat_prompt_ids(self, messages: Sequence[dict[str, Any]] | str) -> list[int]:
+    def chat_prompt_ids(self, messages: Sequence[dict[str, Any]] | str, tools: list[dict] | None = None) -> list[int]:
+        """The chat template rendered (with ``tools``, if given, for the template to describe) and tokenized."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer: the key names none for this model; pass tokenizer=...")
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
@@ -686,11 +851,15 @@ class _Core:
             raise ValueError("the prompt is empty")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (they are matched on the decoded text)")
+        for feature, asked in (("n", params.n != 1), ("logprobs", params.logprobs is not None)):
+            if asked and feature not in self.backend.features:
+                raise ValueError(f"'{feature}' is not supported with the {self.backend.name} backend (only with "
+                                 "openai-completions, e.g. vLLM or aloepri serve-local)")
         max_tokens = params.max_tokens if params.max_tokens is not None else default_max
         server_ids = self.key.encode_ids(plain_ids)
         call = self.backend.start(server_ids, params, max_tokens, stream, self.model, self.key)
-        decoder = ReplyDecoder(self.key, self.tokenizer, params.stop, max_tokens)
-        return server_ids, call, decoder
+        decoders = [ReplyDecoder(self.key, self.tokenizer, params.stop, max_tokens, index=i) for i in range(params.n)]
+        return server_ids, call, decoders
 
     def check_fingerprint(self, fingerprint: str | None, where: str) -> bool:
         if fingerprint is None:
@@ -865,21 +1034,26 @@ def check_model_meta(key: KeyFile, meta_path: str | Path) -> None:
 
 def _params(max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None, seed=None, stop=None,
             presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-            logit_bias=None) -> GenerationParams:
+            logit_bias=None, n=1, logprobs=None) -> GenerationParams:
     if isinstance(stop, str):
         stop = [stop]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be a positive integer, not {n!r}")
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+        raise ValueError(f"logprobs must be a number of top tokens >= 0 (or None), not {logprobs!r}")
     return GenerationParams(max_tokens, temperature, top_p, top_k, min_p, seed, presence_penalty, frequency_penalty,
                             repetition_penalty, {int(k): float(v) for k, v in (logit_bias or {}).items()} or None,
-                            list(stop or []))
+                            list(stop or []), n, logprobs)
 
 
 def _finish_piece(decoder: ReplyDecoder, piece: Piece, usage: dict) -> Delta:
     if piece.usage:
         usage.update({k: v for k, v in piece.usage.items() if isinstance(v, int)})
-    delta = decoder.feed(piece.ids)
+    delta = decoder.feed(piece.ids, piece.logprobs)
     if not decoder.done and piece.finish_reason is not None:
         fin = decoder.finish(piece.finish_reason)
-        delta = Delta(_cat(delta.text, fin.text), delta.token_ids, fin.finish_reason)
+        delta = Delta(_cat(delta.text, fin.text), delta.token_ids, fin.finish_reason, decoder.index,
+                      _cat_lists(delta.logprobs, fin.logprobs))
     return delta
 
 
@@ -887,54 +1061,83 @@ def _cat(a: str | None, b: str | None) -> str | None:
     return None if a is None and b is None else (a or "") + (b or "")
 
 
-def _usage(plain_prompt: list[int], decoder: ReplyDecoder) -> dict[str, int]:
-    return {"prompt_tokens": len(plain_prompt), "completion_tokens": len(decoder.server_ids),
-            "total_tokens": len(plain_prompt) + len(decoder.server_ids)}
+def _cat_lists(a: list | None, b: list | None) -> list | None:
+    return None if a is None and b is None else (a or []) + (b or [])
+
+
+def _usage(plain_prompt: list[int], decoders: Sequence[ReplyDecoder]) -> dict[str, int]:
+    done = sum(len(d.server_ids) for d in decoders)
+    return {"prompt_tokens": len(plain_prompt), "completion_tokens": done, "total_tokens": len(plain_prompt) + done}
 
 
 class ReplyState:
     """One reply, sans-IO: the server's answer goes in (a whole body, or server-sent events one by one), plaintext
-    :class:`Delta` come out, and :meth:`completion` sums them up. :class:`ReplyStream` and
-    :class:`AsyncReplyStream` only move bytes from the connection into it."""
+    :class:`Delta` come out (``index`` tells the choice when ``n`` > 1), and :meth:`completions` sums them up.
+    :class:`ReplyStream` and :class:`AsyncReplyStream` only move bytes from the connection into it."""
 
-    def __init__(self, plain: list[int], server_ids: list[int], call: Call, decoder: ReplyDecoder,
-                 upstream_stream: bool):
-        self.plain, self.server_ids, self.call, self.decoder = plain, server_ids, call, decoder
+    def __init__(self, plain: list[int], server_ids: list[int], call: Call,
+                 decoders: ReplyDecoder | Sequence[ReplyDecoder], upstream_stream: bool):
+        self.plain, self.server_ids, self.call = plain, server_ids, call
+        self.decoders = [decoders] if isinstance(decoders, ReplyDecoder) else list(decoders)
         self.upstream_stream = upstream_stream  # the server streams (events) rather than answering in one body
         self.usage: dict[str, Any] = {}
         self.ended = False  # no more events are needed
         self._read_after_end = 0
         self.t0 = time.perf_counter()
 
-    def on_body(self, body: bytes) -> Delta:
+    @property
+    def decoder(self) -> ReplyDecoder:
+        return self.decoders[0]
+
+    def _decoder_of(self, piece: Piece) -> ReplyDecoder:
+        if not 0 <= piece.index < len(self.decoders):
+            raise UpstreamProtocolError(f"the server answered choice {piece.index}; {len(self.decoders)} were asked for")
+        return self.decoders[piece.index]
+
+    def _all_done(self) -> bool:
+        return all(d.done for d in self.decoders)
+
+    def on_body(self, body: bytes) -> list[Delta]:
         """The whole (non-streamed) answer."""
         try:
             data = json.loads(body)
         except ValueError as e:
             raise UpstreamProtocolError("the server's answer is not JSON") from e
         self.ended = True
-        return _finish_piece(self.decoder, self.call.parse_response(data), self.usage)
+        pieces = self.call.parse_response_all(data)
+        if len(pieces) != len(self.decoders):
+            raise UpstreamProtocolError(f"the server answered {len(pieces)} choices; {len(self.decoders)} were asked "
+                                        "for")
+        return [_finish_piece(self._decoder_of(p), p, self.usage) for p in pieces]
 
-    def on_event(self, data: str) -> Delta | None:
-        """One server-sent event's data; None when it carries nothing to hand out."""
+    def on_event(self, data: str) -> list[Delta]:
+        """One server-sent event's data -> the deltas it gives (none when it carries nothing to hand out)."""
         if data.strip() == "[DONE]":
             self.ended = True
-            return None
-        piece = self.call.parse_event(_event_json(data))
-        if piece is None:
-            return None
-        delta = _finish_piece(self.decoder, piece, self.usage)
-        self.ended = self.decoder.done
-        return delta if delta.token_ids or delta.text or delta.finish_reason else None
+            return []
+        out = []
+        for piece in self.call.parse_events(_event_json(data)):
+            if not piece.ids and piece.finish_reason is None and piece.logprobs is None:
+                if piece.usage:
+                    self.usage.update({k: v for k, v in piece.usage.items() if isinstance(v, int)})
+                continue
+            delta = _finish_piece(self._decoder_of(piece), piece, self.usage)
+            if delta.token_ids or delta.text or delta.finish_reason or delta.logprobs:
+                out.append(delta)
+        self.ended = self._all_done()
+        return out
 
-    def on_stream_end(self) -> Delta | None:
-        """The events ended: what the parser and the decoder still held back (None if the reply had finished)."""
-        dec = self.decoder
-        if dec.done:
-            return None
-        delta = _finish_piece(dec, self.call.flush(), self.usage)
-        last = dec.finish(None)
-        return Delta(_cat(delta.text, last.text), delta.token_ids, last.finish_reason)
+    def on_stream_end(self) -> list[Delta]:
+        """The events ended: what the parser and the decoders still held back (nothing for a finished reply)."""
+        out = []
+        for dec in self.decoders:
+            if dec.done:
+                continue
+            delta = _finish_piece(dec, self.call.flush(), self.usage)
+            last = dec.finish(None)
+            out.append(Delta(_cat(delta.text, last.text), delta.token_ids, last.finish_reason, dec.index,
+                             _cat_lists(delta.logprobs, last.logprobs)))
+        return out
 
     @property
     def stage(self) -> str:
@@ -943,8 +1146,7 @@ class ReplyState:
 
     def feed(self, raw: Any) -> list[Delta]:
         """One unit of the answer (the whole body, or one event's data) -> the deltas to hand out."""
-        delta = self.on_event(raw) if self.upstream_stream else self.on_body(raw)
-        return [] if delta is None else [delta]
+        return self.on_event(raw) if self.upstream_stream else self.on_body(raw)
 
     def read_on_after_end(self) -> bool:
         """After the end, read on to the close of the body (a few events at most) unless the reply was cut by a
@@ -952,17 +1154,21 @@ class ReplyState:
         connection reusable, so the next reply on it need not be re-checked (UpstreamGuard). A stop string is
         the client's own: closing the connection then is what stops the server generating."""
         self._read_after_end += 1
-        return not self.decoder.cut_by_stop_string and self._read_after_end <= 4
+        return not any(d.cut_by_stop_string for d in self.decoders) and self._read_after_end <= 4
 
     def end(self) -> list[Delta]:
         """The answer is over: what is still held back."""
-        last = self.on_stream_end() if self.upstream_stream else None
-        return [] if last is None else [last]
+        return self.on_stream_end() if self.upstream_stream else []
+
+    def completions(self) -> list[Completion]:
+        """One :class:`Completion` per choice; ``usage`` counts them all."""
+        usage = _usage(self.plain, self.decoders)
+        return [Completion(dec.text, dec.plain_ids, dec.finish_reason or "stop", self.plain, self.server_ids,
+                           dec.server_ids, usage, time.perf_counter() - self.t0, dec.index, dec.logprobs)
+                for dec in self.decoders]
 
     def completion(self) -> Completion:
-        dec = self.decoder
-        return Completion(dec.text, dec.plain_ids, dec.finish_reason or "stop", self.plain, self.server_ids,
-                          dec.server_ids, _usage(self.plain, dec), time.perf_counter() - self.t0)
+        return self.completions()[0]
 
 
 class Client:
@@ -1021,8 +1227,8 @@ class Client:
     def _run(self, plain: list[int], params: GenerationParams, stream: bool, default_max: int | None):
         # stop strings are checked here, so the reply is streamed from the server to end it as soon as one matches
         upstream_stream = stream or bool(params.stop)
-        server_ids, call, decoder = self._core.prepare(plain, params, upstream_stream, default_max)
-        rs = ReplyStream(self, plain, server_ids, call, decoder, upstream_stream)
+        server_ids, call, decoders = self._core.prepare(plain, params, upstream_stream, default_max)
+        rs = ReplyStream(self, plain, server_ids, call, decoders, upstream_stream)
         if stream:
             return rs
         with rs:
@@ -1055,10 +1261,12 @@ class Client:
 class ReplyStream:
     """Iterator of :class:`Delta`; ``result`` holds the :class:`Completion` once it is exhausted."""
 
-    def __init__(self, client: Client, plain, server_ids, call: Call, decoder: ReplyDecoder, upstream_stream: bool):
-        self._state = ReplyState(plain, server_ids, call, decoder, upstream_stream)
+    def __init__(self, client: Client, plain, server_ids, call: Call, decoders: Sequence[ReplyDecoder],
+                 upstream_stream: bool):
+        self._state = ReplyState(plain, server_ids, call, decoders, upstream_stream)
         self._resp = client._send(call, upstream_stream)  # connect now, so errors surface at the call
-        self.result: Completion | None = None
+        self.result: Completion | None = None  # the first choice
+        self.results: list[Completion] = []  # every choice (n > 1)
 
     def __enter__(self):
         return self
@@ -1095,7 +1303,8 @@ class ReplyStream:
             yield from st.end()
         finally:
             self.close()
-        self.result = st.completion()
+        self.results = st.completions()
+        self.result = self.results[0]
 
 
 def _event_json(data: str) -> Any:
@@ -1174,8 +1383,8 @@ class AsyncClient:
     async def open(self, plain_ids: list[int], params: GenerationParams, stream: bool = True,
                    default_max: int | None = None) -> "AsyncReplyStream":
         upstream_stream = stream or bool(params.stop)
-        server_ids, call, decoder = self._core.prepare(plain_ids, params, upstream_stream, default_max)
-        rs = AsyncReplyStream(self, plain_ids, server_ids, call, decoder, upstream_stream)
+        server_ids, call, decoders = self._core.prepare(plain_ids, params, upstream_stream, default_max)
+        rs = AsyncReplyStream(self, plain_ids, server_ids, call, decoders, upstream_stream)
         await rs._connect()
         return rs
 
@@ -1201,12 +1410,13 @@ class AsyncClient:
 class AsyncReplyStream:
     """The asyncio twin of :class:`ReplyStream`: the same :class:`ReplyState`, driven by an async connection."""
 
-    def __init__(self, client: AsyncClient, plain, server_ids, call: Call, decoder: ReplyDecoder,
+    def __init__(self, client: AsyncClient, plain, server_ids, call: Call, decoders: Sequence[ReplyDecoder],
                  upstream_stream: bool):
         self._client = client
-        self._state = ReplyState(plain, server_ids, call, decoder, upstream_stream)
+        self._state = ReplyState(plain, server_ids, call, decoders, upstream_stream)
         self._resp = None
-        self.result: Completion | None = None
+        self.result: Completion | None = None  # the first choice
+        self.results: list[Completion] = []  # every choice (n > 1)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -1282,4 +1492,5 @@ class AsyncReplyStream:
                 yield delta
         finally:
             await self.aclose()
-        self.result = st.completion()
+        self.results = st.completions()
+        self.result = self.results[0]

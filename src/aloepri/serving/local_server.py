@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,9 @@ from .http import (SSE_DONE, BadRequest, client_disconnected, error_body, error_
                    openai_app, read_json_body, sse)
 
 log = logging.getLogger("aloepri.serving.local_server")
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_CHOICES = 16
 
 
 @dataclass
@@ -53,14 +56,16 @@ class GenRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # vLLM's: the sampled token's logprob and the k most likely ones, per step
 
 
 class Session:
     """One request inside the engine; events go back to the asyncio side through a queue."""
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
-        self.req, self.loop = req, loop
-        self.events: asyncio.Queue = asyncio.Queue()
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, events: asyncio.Queue | None = None,
+                 index: int = 0):
+        self.req, self.loop, self.index = req, loop, index
+        self.events: asyncio.Queue = events if events is not None else asyncio.Queue()  # shared by a request's n
         self.cancelled = threading.Event()
         self.cache = None
         self.generated: list[int] = []
@@ -73,7 +78,7 @@ class Session:
 
     def emit(self, kind: str, value: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, self.index))
         except RuntimeError:  # the event loop is gone
             self.cancelled.set()
 
@@ -86,8 +91,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="aloepri-serve-local-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, req: GenRequest) -> Session:
-        s = Session(req, asyncio.get_running_loop())
+    def submit(self, req: GenRequest, events: asyncio.Queue | None = None, index: int = 0) -> Session:
+        s = Session(req, asyncio.get_running_loop(), events, index)
         self._incoming.put(s)
         return s
 
@@ -136,9 +141,18 @@ class Engine:
         else:
             out = self.model(input_ids=torch.tensor([[s.generated[-1]]]), past_key_values=s.cache, use_cache=True)
         s.cache = out.past_key_values
-        tok = self._sample(out.logits[0, -1].float(), s)
+        logits = out.logits[0, -1].float()
+        # logprobs as vLLM gives them by default: of the model's raw distribution, before sampling parameters
+        raw = torch.log_softmax(logits, dim=-1) if r.logprobs is not None else None
+        tok = self._sample(logits.clone() if raw is not None else logits, s)
         s.generated.append(tok)
-        s.emit("token", tok)
+        pairs = None
+        if raw is not None:  # the sampled token first, then the k most likely (k + 1 entries at most, as vLLM)
+            top = torch.topk(raw, min(r.logprobs, raw.numel())) if r.logprobs else None
+            pairs = [(tok, float(raw[tok]))]
+            if top is not None:
+                pairs += [(int(i), float(v)) for v, i in zip(top.values, top.indices) if int(i) != tok]
+        s.emit("token", (tok, pairs))
         if tok in self.eos_ids or tok in r.stop_ids:
             s.emit("done", "stop")
             return True
@@ -267,15 +281,42 @@ class LocalServer:
         if body.get("stop"):
             raise BadRequest("serve-local does not match stop strings (its text is neutral symbols); "
                              "use 'stop_token_ids'", "stop")
-        n = body.get("n", 1)
-        if n not in (1, None):
-            raise BadRequest("only n=1 is supported", "n")
+        if native:
+            if body.get("n_probs"):
+                raise BadRequest("serve-local gives logprobs on /v1/completions only ('logprobs')", "n_probs")
+            logprobs = None
+        else:
+            logprobs = number(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
         return GenRequest(
             prompt=prompt, max_tokens=max(1, max_tokens), temperature=temperature, top_p=top_p,
             top_k=max(top_k, 0), min_p=min_p, seed=number(body, "seed", None, integer=True), stop_ids=set(stop_ids),
             presence_penalty=number(body, "presence_penalty", 0.0, lo=-2, hi=2),
             frequency_penalty=number(body, "frequency_penalty", 0.0, lo=-2, hi=2),
-            repetition_penalty=rep, logit_bias=bias)
+            repetition_penalty=rep, logit_bias=bias, logprobs=logprobs)
+
+    def _choices(self, body: dict, native: bool) -> int:
+        if native:
+            if body.get("n") not in (None, 1):
+                raise BadRequest("llama.cpp's /completion has no 'n'; use /v1/completions", "n")
+            return 1
+        return number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
+
+    def _token_label(self, tid: int, as_id: bool) -> str:
+        if as_id or self.tokenizer is None:
+            return f"token_id:{tid}"
+        return self.tokenizer.decode([tid])
+
+    def _logprobs(self, steps: list, as_id: bool, offset: int) -> dict:
+        """vLLM's completions ``logprobs`` for some steps [(token id, [(id, logprob), ...]), ...]."""
+        out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for tid, pairs in steps:
+            label = self._token_label(tid, as_id)
+            out["text_offset"].append(offset)
+            out["tokens"].append(label)
+            out["token_logprobs"].append(max(pairs[0][1], -9999.0))
+            out["top_logprobs"].append({self._token_label(i, as_id): max(v, -9999.0) for i, v in pairs})
+            offset += len(label)
+        return out
 
     def _detok(self):
         if self.tokenizer is None:
@@ -330,84 +371,108 @@ class LocalServer:
             body = await read_json_body(request)
             prompt = self._prompt(body)
             req = self._gen_request(body, prompt, native)
+            n = self._choices(body, native)
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
         stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_tokens" if native else "return_token_ids"))
-        session = self.engine.submit(req)
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        events: asyncio.Queue = asyncio.Queue()  # one queue for the request's n choices
+        # n samples of one request: the seed, if given, is offset per choice so that they differ reproducibly
+        sessions = [self.engine.submit(req if i == 0 else replace(req, seed=None if req.seed is None else req.seed + i),
+                                       events, i) for i in range(n)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if stream:
-            gen = self._stream_native(session, want_ids) if native else self._stream_openai(session, rid, want_ids)
+            gen = self._stream_native(sessions, want_ids) if native else \
+                self._stream_openai(sessions, rid, want_ids, as_ids)
             return event_stream(gen)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, session))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, sessions))
         try:
-            ids, finish, err = await _collect(session)
+            results, err = await _collect(sessions)
         finally:
             watcher.cancel()
-            session.cancel()
+            for s in sessions:
+                s.cancel()
         if err:
             return error_response(500, err, etype="server_error")
-        detok = self._detok()
-        text = (detok.push(ids, final=True) if detok else "")
         if native:
-            out = {"content": text, "tokens": ids if want_ids else [], "stop": True, "model": self.model_name,
-                   "stop_type": "limit" if finish == "length" else "eos", "tokens_predicted": len(ids),
-                   "tokens_evaluated": len(prompt)}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            ids, steps, finish = results[0]
+            detok = self._detok()
+            out = {"content": detok.push(ids, final=True) if detok else "", "tokens": ids if want_ids else [],
+                   "stop": True, "model": self.model_name, "stop_type": "limit" if finish == "length" else "eos",
+                   "tokens_predicted": len(ids), "tokens_evaluated": len(prompt)}
+            return JSONResponse(out)
+        choices = []
+        for i, (ids, steps, finish) in enumerate(results):
+            detok = self._detok()
+            choice = {"index": i, "text": detok.push(ids, final=True) if detok else "",
+                      "logprobs": self._logprobs(steps, as_ids, 0) if req.logprobs is not None else None,
+                      "finish_reason": finish}
             if want_ids:
                 choice["token_ids"] = ids
                 choice["prompt_token_ids"] = prompt
-            out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                   "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                                                  "total_tokens": len(prompt) + len(ids)}}
+            choices.append(choice)
+        done = sum(len(r[0]) for r in results)
+        out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+               "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
+                                             "total_tokens": len(prompt) + done}}
         return JSONResponse(out)
 
-    async def _stream_openai(self, session: Session, rid: str, want_ids: bool):
-        detok, created, n = self._detok(), int(time.time()), 0
+    async def _stream_openai(self, sessions: list[Session], rid: str, want_ids: bool, as_ids: bool):
+        n_choices, prompt = len(sessions), sessions[0].req.prompt
+        detoks = [self._detok() for _ in sessions]
+        counts, offsets, open_ = [0] * n_choices, [0] * n_choices, set(range(n_choices))
+        created, with_lps = int(time.time()), sessions[0].req.logprobs is not None
+        events = sessions[0].events
         try:
-            while True:
-                kind, value = await session.events.get()
+            while open_:
+                kind, value, i = await events.get()
                 if kind == "error":
                     yield sse(error_body(value, "server_error"))
                     return
-                choice: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": None}
+                detok = detoks[i]
+                choice: dict[str, Any] = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
                 if kind == "token":
-                    n += 1
-                    choice["text"] = detok.push([value]) if detok else ""
+                    tid, pairs = value
+                    counts[i] += 1
+                    choice["text"] = detok.push([tid]) if detok else ""
+                    if with_lps:
+                        choice["logprobs"] = self._logprobs([(tid, pairs)], as_ids, offsets[i])
+                        offsets[i] += len(choice["logprobs"]["tokens"][0])
                     if want_ids:
-                        choice["token_ids"] = [value]
-                    if n == 1 and want_ids:
-                        choice["prompt_token_ids"] = session.req.prompt
+                        choice["token_ids"] = [tid]
+                    if counts[i] == 1 and want_ids:
+                        choice["prompt_token_ids"] = prompt
                 else:
+                    open_.discard(i)
                     choice["finish_reason"] = value
                     choice["text"] = detok.flush() if detok else ""
                     if want_ids:
                         choice["token_ids"] = []
-                chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                         "choices": [choice]}
-                yield sse(chunk)
-                if kind == "done":
-                    p = len(session.req.prompt)
-                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                                "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": n,
-                                                         "total_tokens": p + n}})
-                    yield SSE_DONE
-                    return
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": [choice]})
+            p, done = len(prompt), sum(counts)
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": done,
+                                                "total_tokens": p + done}})
+            yield SSE_DONE
         finally:
-            session.cancel()
+            for s in sessions:
+                s.cancel()
 
-    async def _stream_native(self, session: Session, want_ids: bool):
+    async def _stream_native(self, sessions: list[Session], want_ids: bool):
+        session = sessions[0]
         detok, n = self._detok(), 0
         try:
             while True:
-                kind, value = await session.events.get()
+                kind, value, _ = await session.events.get()
                 if kind == "error":
                     yield sse({"error": {"message": value, "type": "server_error", "code": 500}})  # llama.cpp's shape
                     return
                 if kind == "token":
                     n += 1
-                    yield sse({"content": detok.push([value]) if detok else "", "tokens": [value] if want_ids else [],
+                    tid = value[0]
+                    yield sse({"content": detok.push([tid]) if detok else "", "tokens": [tid] if want_ids else [],
                                 "stop": False, "index": 0})
                 else:
                     yield sse({"content": detok.flush() if detok else "", "tokens": [], "stop": True, "index": 0,
@@ -440,22 +505,30 @@ def _stamped(app: Any, fingerprint: str):
     return stamped_app
 
 
-async def _collect(session: Session) -> tuple[list[int], str, str | None]:
-    ids: list[int] = []
-    while True:
-        kind, value = await session.events.get()
+async def _collect(sessions: list[Session]) -> tuple[list[tuple[list[int], list, str]], str | None]:
+    """Every choice's (token ids, [(id, logprobs) per step], finish reason), or the first error."""
+    ids: list[list[int]] = [[] for _ in sessions]
+    steps: list[list] = [[] for _ in sessions]
+    finish: list[str | None] = [None] * len(sessions)
+    events = sessions[0].events
+    while any(f is None for f in finish):
+        kind, value, i = await events.get()
         if kind == "token":
-            ids.append(value)
+            ids[i].append(value[0])
+            if value[1] is not None:
+                steps[i].append(value)
         elif kind == "done":
-            return ids, value, None
+            finish[i] = value
         else:
-            return ids, "error", value
+            return [], value
+    return list(zip(ids, steps, finish)), None
 
 
-async def _cancel_on_disconnect(request, session: Session) -> None:
+async def _cancel_on_disconnect(request, sessions: list[Session]) -> None:
     await client_disconnected(request)
-    session.cancel()
-    session.events.put_nowait(("error", "the client disconnected"))  # ends _collect: no handler left waiting
+    for s in sessions:
+        s.cancel()
+    sessions[0].events.put_nowait(("error", "the client disconnected", 0))  # ends _collect: no handler left waiting
 
 
 def serve_local(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,

@@ -19,12 +19,14 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .client import AsyncClient, AsyncReplyStream, Completion, GenerationParams, UpstreamError
+from .client import AsyncClient, AsyncReplyStream, Completion, GenerationParams, TokenLogprob, UpstreamError
 from .http import (SSE_DONE, BadRequest, client_disconnected, error_body, error_response, event_stream, number,
                    openai_app, read_json_body, sse)
+from .tools import ToolCallStream, check_tools, parse_tool_calls, template_tool_calls
 
 log = logging.getLogger("aloepri.serving.proxy")
 
@@ -65,9 +67,12 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return out or None
 
 
+MAX_CHOICES = 16  # n
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
 def _common_params(body: dict, vocab_size: int, max_tokens_default: int | None) -> GenerationParams:
-    if number(body, "n", 1, integer=True) != 1:
-        raise BadRequest("only n=1 is supported", "n")
+    n = number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
     max_tokens = number(body, "max_completion_tokens", lo=1, integer=True)
     if max_tokens is None:
         max_tokens = number(body, "max_tokens", lo=1, integer=True)
@@ -83,7 +88,19 @@ def _common_params(body: dict, vocab_size: int, max_tokens_default: int | None) 
         repetition_penalty=number(body, "repetition_penalty", lo=0.01, hi=10),
         logit_bias=_logit_bias(body, vocab_size),
         stop=_stop(body),
+        n=n,
     )
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (bool) and ``top_logprobs`` (0..20) -> the number of top tokens, None for none."""
+    want = body.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise BadRequest("'logprobs' must be a boolean", "logprobs")
+    top = number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not want:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if want else None
 
 
 def _include_usage(body: dict) -> bool:
@@ -104,10 +121,10 @@ def _stream_flag(body: dict) -> bool:
     return s
 
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -117,11 +134,24 @@ def _messages(body: dict) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
-            if role in ("tool", "function"):
-                raise BadRequest(f"messages[{i}]: tool messages are not supported by the aloepri proxy", "messages")
+            if role == "function":
+                raise BadRequest(f"messages[{i}]: the deprecated 'function' role is not supported; use 'tool'",
+                                 "messages")
             raise BadRequest(f"messages[{i}]: 'role' must be one of {sorted(_ROLES)}", "messages")
-        if m.get("tool_calls"):
-            raise BadRequest(f"messages[{i}]: tool calls are not supported by the aloepri proxy", "messages")
+        extra: dict[str, Any] = {}
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise BadRequest(f"messages[{i}]: only assistant messages have 'tool_calls'", "messages")
+            try:
+                extra["tool_calls"] = template_tool_calls(m["tool_calls"], f"messages[{i}]")
+            except ValueError as e:
+                raise BadRequest(str(e), "messages") from None
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise BadRequest(f"messages[{i}]: a tool message needs 'tool_call_id'", "messages")
+            extra["tool_call_id"] = m["tool_call_id"]
+            if isinstance(m.get("name"), str):
+                extra["name"] = m["name"]
         content = m.get("content")
         if isinstance(content, list):
             parts = []
@@ -134,22 +164,49 @@ def _messages(body: dict) -> list[dict[str, str]]:
             content = ""
         elif not isinstance(content, str):
             raise BadRequest(f"messages[{i}]: 'content' must be a string or a list of text parts", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content, **extra})
     return out
 
 
+def _tools(body: dict, tokenizer: Any) -> list[dict] | None:
+    """The tools to render into the prompt (None: no tool calling for this request)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise BadRequest("the deprecated 'functions' / 'function_call' are not supported; use 'tools'", "functions")
+    if choice is not None and choice not in ("none", "auto"):
+        if choice == "required" or isinstance(choice, dict):
+            raise BadRequest("tool_choice 'required' or a named function needs constrained decoding on the server, "
+                             "which masks tokens by their text; the server sees only the obfuscated vocabulary, so "
+                             "it cannot enforce it: use 'auto'", "tool_choice")
+        raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or a named function", "tool_choice")
+    if tools is None or tools == [] or choice == "none":
+        if tools is not None:
+            try:
+                check_tools(tools)
+            except ValueError as e:
+                raise BadRequest(str(e), "tools") from None
+        return None
+    try:
+        tools = check_tools(tools)
+    except ValueError as e:
+        raise BadRequest(str(e), "tools") from None
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "tools" not in template:
+        raise BadRequest("this model's chat template does not render tools, so the model would never see them: "
+                         "tool calling needs a model trained for it (e.g. Qwen2.5)", "tools")
+    return tools
+
+
 def _reject_unsupported(body: dict, endpoint: str) -> None:
-    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none", "auto"):
-        raise BadRequest("tool calling is not supported by the aloepri proxy", "tools")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise BadRequest("'response_format' other than text is not supported by the aloepri proxy", "response_format")
-    if endpoint == "chat":
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-            raise BadRequest("logprobs are not supported by the aloepri proxy", "logprobs")
-    else:
-        if body.get("logprobs") is not None:
-            raise BadRequest("logprobs are not supported by the aloepri proxy", "logprobs")
+        raise BadRequest("'response_format' json_object / json_schema is not supported: it needs constrained "
+                         "decoding on the server, which masks tokens by their text, and the server sees only the "
+                         "obfuscated vocabulary (it cannot tell which token is which without the key). Ask for "
+                         "JSON in the prompt and validate the reply on your side", "response_format")
+    if endpoint != "chat":
+        if body.get("tools") is not None or body.get("tool_choice") is not None:
+            raise BadRequest("tools are a chat feature: use /v1/chat/completions", "tools")
         if body.get("echo"):
             raise BadRequest("'echo' is not supported by the aloepri proxy", "echo")
         if body.get("suffix") is not None:
@@ -194,20 +251,58 @@ def _guard(handler):
     return wrapped
 
 
+@dataclass
+class _Ask:
+    """One parsed request: what to send (plaintext prompt ids, parameters) and how to answer."""
+
+    kind: str  # "chat" | "completions"
+    plain: list[int]
+    params: GenerationParams
+    stream: bool = False
+    include_usage: bool = False
+    ids_out: bool = False  # completions: the plaintext reply ids too
+    tools: list[dict] | None = None  # chat: parse tool calls from the reply
+
+
+def _api_key_guard(app, keys: list[str]):
+    """Every ``/v1`` route needs ``Authorization: Bearer KEY`` with one of ``keys`` (as ``vllm serve --api-key``);
+    compared in constant time. ``/health`` stays open."""
+    import hmac
+
+    expected = [k.encode() for k in keys]
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            ok = False
+            for k in expected:  # every key compared, so timing tells nothing about which matched
+                ok |= hmac.compare_digest(token, k)
+            if not ok:
+                resp = error_response(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with a key "
+                                           "this proxy was started with (--api-key)", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        return await app(scope, receive, send)
+
+    return guarded
+
+
 class Proxy:
     """The proxy app. ``context_len``: the model's context (prompt + reply tokens), None if unknown;
     ``max_tokens_limit``: a ceiling on the reply length set by the operator. A request's ``max_tokens`` is capped
-    at both (at the context less the prompt)."""
+    at both (at the context less the prompt). ``api_keys``: the keys a client must send (none: open)."""
 
     def __init__(self, client: AsyncClient, model_name: str, *, log_plaintext: bool = False,
                  chat_max_tokens: int | None = None, context_len: int | None = None,
-                 max_tokens_limit: int | None = None):
+                 max_tokens_limit: int | None = None, api_keys: list[str] | None = None):
         self.client = client
         self.model_name = model_name
         self.log_plaintext = log_plaintext
         self.chat_max_tokens = chat_max_tokens if chat_max_tokens is not None else client.core.default_max_tokens
         self.context_len = context_len
         self.max_tokens_limit = max_tokens_limit
+        self.api_keys = [k for k in (api_keys or []) if k]
         self.created = int(time.time())
         self.in_flight = 0
 
@@ -222,10 +317,13 @@ class Proxy:
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", _guard(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", _guard(self.completions), methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
         ]
-        return openai_app(routes, on_shutdown=self.client.aclose)
+        app = openai_app(routes, on_shutdown=self.client.aclose)
+        return _api_key_guard(app, self.api_keys) if self.api_keys else app
 
     async def health(self, request):
         from starlette.responses import JSONResponse
@@ -236,13 +334,33 @@ class Proxy:
                                  "detail": guard.problem}, status_code=503)
         return JSONResponse({"status": "ok", "in_flight": self.in_flight, "key_check": guard.status})
 
+    def _model_entry(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "aloepri-proxy"}
+
     async def models(self, request):
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "aloepri-proxy"}]})
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
 
-    # -- endpoints: each parses its body into (plaintext prompt ids, parameters, what to log, ids out?)
+    async def model(self, request):
+        from starlette.responses import JSONResponse
+
+        name = request.path_params["model"]
+        if name != self.model_name:
+            return self._unknown_model(name)
+        return JSONResponse(self._model_entry())
+
+    def _unknown_model(self, name: str):
+        return error_response(404, f"The model `{name}` does not exist. This proxy serves `{self.model_name}`.",
+                              param="model", code="model_not_found")
+
+    async def embeddings(self, request):
+        return error_response(400, "/v1/embeddings is not supported by the aloepri proxy: it serves a generative "
+                                   "model through token ids, and an embedding endpoint of the server would return "
+                                   "vectors of the obfuscated model, not of the plaintext one",
+                              code="unsupported_endpoint")
+
+    # -- endpoints: each parses its body into an _Ask, and what to log
     async def chat_completions(self, request):
         return await self._endpoint(request, "chat", "chatcmpl", self._parse_chat)
 
@@ -252,18 +370,21 @@ class Proxy:
     def _parse_chat(self, body: dict):
         messages = _messages(body)
         params = _common_params(body, self.client.key.vocab_size, self.chat_max_tokens)
+        params.logprobs = _chat_logprobs(body)
         if self.client.tokenizer is None:
             raise BadRequest("this proxy has no tokenizer (and chat template) for the model: use /v1/completions "
                              "with token ids, or start the proxy with --tokenizer")
+        tools = _tools(body, self.client.tokenizer)
         try:
-            plain = self.client.core.chat_prompt_ids(messages)
+            plain = self.client.core.chat_prompt_ids(messages, tools=tools)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise BadRequest(f"the chat template rejected the messages ({type(e).__name__})", "messages") from None
-        return plain, params, ("messages", messages), False
+        return _Ask("chat", plain, params, tools=tools), ("messages", messages)
 
     def _parse_completion(self, body: dict):
         prompt = _completion_prompt(body, self.client.tokenizer is not None)
         params = _common_params(body, self.client.key.vocab_size, 16)  # OpenAI's default for completions
+        params.logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
         try:
             plain = self.client.core.completion_prompt_ids(prompt)
         except ValueError as e:
@@ -271,22 +392,30 @@ class Proxy:
         if params.stop and self.client.tokenizer is None:
             raise BadRequest("stop strings need a tokenizer; this proxy has none for the model", "stop")
         ids_out = self.client.tokenizer is None or bool(body.get("return_token_ids"))
-        return plain, params, ("prompt", prompt if isinstance(prompt, str) else list(prompt)), ids_out
+        return (_Ask("completions", plain, params, ids_out=ids_out),
+                ("prompt", prompt if isinstance(prompt, str) else list(prompt)))
 
     async def _endpoint(self, request, kind: str, id_prefix: str, parse):
         rid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
         t0 = time.perf_counter()
         try:
             body = await read_json_body(request)
+            model = body.get("model")
+            if model is not None and not isinstance(model, str):
+                raise BadRequest("'model' must be a string", "model")
+            if model is not None and model != self.model_name:
+                log.info("%s %s 404 unknown model", rid, kind)
+                return self._unknown_model(model)
             _reject_unsupported(body, kind)
             stream, include_usage = _stream_flag(body), _include_usage(body)
-            plain, params, (what, plaintext), ids_out = parse(body)
+            ask, (what, plaintext) = parse(body)
+            ask.stream, ask.include_usage = stream, include_usage
         except BadRequest as e:
             log.info("%s %s 400 %s", rid, kind, e)
             return error_response(400, str(e), param=e.param)
         if self.log_plaintext:
             log.info("%s %s plaintext %s=%s", rid, kind, what, json.dumps(plaintext, ensure_ascii=False))
-        return await self._serve(request, rid, kind, plain, params, stream, include_usage, t0, ids_out)
+        return await self._serve(request, rid, ask, t0)
 
     # -- shared
     def _capped_max_tokens(self, max_tokens: int | None, prompt_len: int, param: str) -> int | None:
@@ -299,12 +428,14 @@ class Proxy:
         bounds = [b for b in (max_tokens, *caps) if b is not None]
         return min(bounds) if bounds else None
 
-    async def _serve(self, request, rid, kind, plain, params, stream, include_usage, t0, ids_out=False):
+    async def _serve(self, request, rid: str, ask: _Ask, t0: float):
         from starlette.responses import JSONResponse
 
+        kind, params = ask.kind, ask.params
         try:
             asked = params.max_tokens
-            params.max_tokens = self._capped_max_tokens(asked, len(plain), "messages" if kind == "chat" else "prompt")
+            params.max_tokens = self._capped_max_tokens(asked, len(ask.plain),
+                                                        "messages" if kind == "chat" else "prompt")
         except BadRequest as e:
             log.info("%s %s 400 %s", rid, kind, e)
             return error_response(400, str(e), param=e.param)
@@ -312,10 +443,10 @@ class Proxy:
             log.info("%s %s max_tokens %s capped at %d", rid, kind, asked, params.max_tokens)
         self.in_flight += 1
         try:
-            if stream:
-                rs = await self.client.open(plain, params, stream=True, default_max=params.max_tokens)
+            if ask.stream:
+                rs = await self.client.open(ask.plain, params, stream=True, default_max=params.max_tokens)
             else:  # the upstream answers only when done: watch the client from the request on, not just the reply
-                result = await _unless_disconnected(request, self._complete(plain, params))
+                results = await _unless_disconnected(request, self._complete(ask.plain, params))
         except UpstreamError as e:
             self.in_flight -= 1
             log.warning("%s %s %d upstream: %s", rid, kind, e.status, e.code)
@@ -326,7 +457,7 @@ class Proxy:
         except BaseException:
             self.in_flight -= 1
             raise
-        if stream:
+        if ask.stream:
             closed = False
 
             async def on_close():
@@ -336,54 +467,65 @@ class Proxy:
                     self.in_flight -= 1
                     await rs.aclose()
 
-            return event_stream(self._sse(rs, rid, kind, include_usage, t0, ids_out), on_close)
+            return event_stream(self._sse(rs, rid, ask, t0), on_close)
         self.in_flight -= 1
-        if result is None:
+        if results is None:
             log.info("%s %s client disconnected after %.0f ms", rid, kind, 1e3 * (time.perf_counter() - t0))
             return error_response(499, "client closed the request")
-        self._log_done(rid, kind, result, t0, stream=False)
-        created = int(time.time())
-        if kind == "chat":
-            out = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text or ""},
-                                "logprobs": None, "finish_reason": result.finish_reason}],
-                   "usage": result.usage}
-        else:
-            choice = {"index": 0, "text": result.text or "", "logprobs": None, "finish_reason": result.finish_reason}
-            if ids_out:
-                choice["token_ids"] = result.token_ids
-            out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [choice], "usage": result.usage}
-        return JSONResponse(out)
+        self._log_done(rid, kind, results, t0, stream=False)
+        choices = [self._choice(ask, r) for r in results]
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": results[0].usage})
 
-    async def _complete(self, plain: list[int], params: GenerationParams) -> Completion:
+    def _choice(self, ask: _Ask, r: Completion) -> dict:
+        """One whole choice in OpenAI's shape."""
+        text = r.text or ""
+        if ask.kind == "completions":
+            choice = {"index": r.index, "text": text, "logprobs": _completion_logprobs(r.logprobs, 0),
+                      "finish_reason": r.finish_reason}
+            if ask.ids_out:
+                choice["token_ids"] = r.token_ids
+            return choice
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = r.finish_reason
+        parsed = parse_tool_calls(text) if ask.tools else None
+        if parsed is not None:
+            message["content"], message["tool_calls"] = parsed
+            finish = "tool_calls"
+        return {"index": r.index, "message": message, "logprobs": _chat_logprobs_out(r.logprobs),
+                "finish_reason": finish}
+
+    async def _complete(self, plain: list[int], params: GenerationParams) -> list[Completion]:
         rs = await self.client.open(plain, params, stream=False, default_max=params.max_tokens)
-        return await rs.collect()
+        await rs.collect()
+        return rs.results
 
-    def _log_done(self, rid: str, kind: str, result: Completion, t0: float, stream: bool) -> None:
-        log.info("%s %s 200 stream=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f", rid, kind, stream,
-                 result.usage["prompt_tokens"], result.usage["completion_tokens"], result.finish_reason,
-                 1e3 * (time.perf_counter() - t0))
+    def _log_done(self, rid: str, kind: str, results: list[Completion], t0: float, stream: bool) -> None:
+        first = results[0]
+        log.info("%s %s 200 stream=%s prompt_tokens=%d completion_tokens=%d choices=%d finish=%s ms=%.0f", rid, kind,
+                 stream, first.usage["prompt_tokens"], first.usage["completion_tokens"], len(results),
+                 ",".join(r.finish_reason for r in results), 1e3 * (time.perf_counter() - t0))
         if self.log_plaintext:
-            log.info("%s %s plaintext reply=%s", rid, kind, json.dumps(result.text, ensure_ascii=False))
+            log.info("%s %s plaintext reply=%s", rid, kind, json.dumps([r.text for r in results], ensure_ascii=False))
 
-    async def _sse(self, rs: AsyncReplyStream, rid: str, kind: str, include_usage: bool, t0: float, ids_out: bool):
+    async def _sse(self, rs: AsyncReplyStream, rid: str, ask: _Ask, t0: float):
         import anyio
 
+        kind = ask.kind
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        n = ask.params.n
+        tool_streams = [ToolCallStream() for _ in range(n)] if ask.tools else None
+        offsets = [0] * n  # completions' text_offset, per choice
 
-        def chunk(delta_text: str | None, finish: str | None, token_ids: list[int] | None = None, first=False):
+        def chunk(index: int, delta: dict | None = None, text: str | None = None, finish: str | None = None,
+                  token_ids: list[int] | None = None, logprobs: Any = None):
             if kind == "chat":
-                delta: dict[str, Any] = {}
-                if first:
-                    delta["role"] = "assistant"
-                if delta_text is not None:
-                    delta["content"] = delta_text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-                if ids_out:
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+                if ask.ids_out:
                     choice["token_ids"] = token_ids or []
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
             return sse(out, ensure_ascii=False)
@@ -391,20 +533,39 @@ class Proxy:
         completed = False
         try:
             if kind == "chat":
-                yield chunk("", None, first=True)
+                for i in range(n):
+                    yield chunk(i, {"role": "assistant", "content": ""})
             async for d in rs:
-                text = d.text if d.text else None
-                if text is not None or (kind != "chat" and d.token_ids):
-                    yield chunk(text, None, d.token_ids)
-            result = rs.result
-            yield chunk(None if kind == "chat" else "", result.finish_reason)
-            if include_usage:
+                i, text = d.index, d.text if d.text else None
+                if kind == "chat":
+                    if tool_streams is not None and text is not None:
+                        text = tool_streams[i].push(text) or None
+                    lps = _chat_logprobs_out(d.logprobs) if d.logprobs else None
+                    if text is not None or lps:
+                        yield chunk(i, {"content": text or ""}, logprobs=lps)
+                elif text is not None or d.token_ids or d.logprobs:
+                    lps = _completion_logprobs(d.logprobs, offsets[i]) if d.logprobs else None
+                    if lps:
+                        offsets[i] += sum(len(t) for t in lps["tokens"])
+                    yield chunk(i, text=text, token_ids=d.token_ids, logprobs=lps)
+            results = rs.results
+            for r in results:
+                i, finish = r.index, r.finish_reason
+                if tool_streams is not None:
+                    rest, calls = tool_streams[i].finish()
+                    if rest:
+                        yield chunk(i, {"content": rest})
+                    if calls:
+                        finish = "tool_calls"
+                        yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+                yield chunk(i, {} if kind == "chat" else None, finish=finish)
+            if ask.include_usage:
                 u = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                     "usage": result.usage}
+                     "usage": results[0].usage}
                 yield sse(u)
             yield SSE_DONE
             completed = True
-            self._log_done(rid, kind, result, t0, stream=True)
+            self._log_done(rid, kind, results, t0, stream=True)
         except UpstreamError as e:
             log.warning("%s %s upstream error mid-stream: %s", rid, kind, e.code)
             yield sse(_upstream_error_body(e))
@@ -416,6 +577,34 @@ class Proxy:
                 log.info("%s %s stream ended early after %.0f ms", rid, kind, 1e3 * (time.perf_counter() - t0))
             with anyio.CancelScope(shield=True):
                 await rs.aclose()
+
+
+def _token_bytes(text: str | None) -> list[int] | None:
+    return None if text is None else list(text.encode("utf-8"))
+
+
+def _chat_logprobs_out(lps: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
+    if lps is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)} for _, t, lp in e.top]}
+                        for e in lps]}
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+    """OpenAI completions' ``logprobs`` (as vLLM fills it): tokens, token_logprobs, top_logprobs, text_offset."""
+    if lps is None:
+        return None
+    out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for e in lps:
+        token = e.token if e.token is not None else f"token_id:{e.token_id}"
+        out["text_offset"].append(offset)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({(t if t is not None else f"token_id:{tid}"): lp for tid, t, lp in e.top})
+        offset += len(token)
+    return out
 
 
 async def _unless_disconnected(request, work):
@@ -444,7 +633,7 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
                 backend: str = "openai-completions", tokenizer: Any = None, server_tokenizer: Any = None,
                 api_key: str | None = None, timeout: float = 300.0, log_plaintext: bool = False,
                 chat_max_tokens: int = 512, verify: bool = True, model_meta: str | None = None,
-                max_tokens_limit: int | None = None) -> Proxy:
+                max_tokens_limit: int | None = None, client_api_key: str | list[str] | None = None) -> Proxy:
     """Load the key and tokenizer, check the key where possible, and return the :class:`Proxy`.
 
     Key checks at start: against ``model_meta`` (a local copy of the server directory's aloepri_model.json) if
@@ -452,6 +641,9 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
     does; vLLM and llama.cpp do not). A mismatch raises KeyMismatchError. After that (unless ``verify`` is off)
     every reply is checked before it is decoded, so a server restarted with another model is refused, not
     decoded into garbage: see :class:`aloepri.serving.client.UpstreamGuard`.
+
+    ``client_api_key``: the key (or keys) the proxy's own clients must send as ``Authorization: Bearer`` on every
+    ``/v1`` route (``api_key`` is the upstream's).
 
     ``max_tokens`` of a request is capped at the model's context less the prompt (the context from the
     upstream's /v1/models, else the source checkpoint's config.json) and at ``max_tokens_limit`` if given.
@@ -493,8 +685,10 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
                          backend=backend, server_tokenizer=server_tokenizer, default_max_tokens=chat_max_tokens)
     client.core.guard = UpstreamGuard(keyfile.model_fingerprint, model, listing if verify else None, status,
                                       mode="pin" if verify else "off")
+    keys = [client_api_key] if isinstance(client_api_key, str) else list(client_api_key or [])
     return Proxy(client, served_model_name or model or "aloepri", log_plaintext=log_plaintext,
-                 chat_max_tokens=chat_max_tokens, context_len=context_len, max_tokens_limit=max_tokens_limit)
+                 chat_max_tokens=chat_max_tokens, context_len=context_len, max_tokens_limit=max_tokens_limit,
+                 api_keys=keys)
 
 
 def _source_context(key) -> int | None:
