@@ -10,7 +10,8 @@ Endpoints (request and response shapes follow vLLM and llama.cpp, so the client'
 
 - ``GET /v1/models``, ``GET /health``
 - ``POST /v1/completions``: ``prompt`` as a list of ints (or a string, if the directory ships a tokenizer),
-  ``return_token_ids`` gives ``choices[0].token_ids`` as vLLM does; streaming with SSE.
+  ``return_token_ids`` gives ``choices[i].token_ids`` as vLLM does; ``n`` choices; ``logprobs`` in vLLM's shape
+  (``"token_id:N"`` labels with ``return_tokens_as_token_ids``); streaming with SSE.
 - ``POST /completion``: llama.cpp's native shape (``n_predict``, ``return_tokens`` -> ``tokens``).
 
 Requests are scheduled round-robin one decoding step at a time by a single worker thread (no batching), so

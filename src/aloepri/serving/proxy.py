@@ -5,9 +5,11 @@ request the proxy renders the chat template, tokenizes and permutes on the way o
 :class:`aloepri.serving.client.AsyncClient`), and maps ids back, detokenizes and applies stop strings on the way back.
 It forwards only what it understands: unknown request fields are dropped, never sent upstream.
 
-Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(both with ``stream: true`` as server-sent events). Errors are OpenAI-shaped ``{"error": {...}}``:
-400 for malformed requests, 502 when the server is unreachable, answers badly or serves another model than the
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{name}``, ``GET /health``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (both with ``stream: true`` as server-sent events; ``n``, ``logprobs`` and, on chat,
+``tools`` are served: see docs/serving.md's table), ``POST /v1/embeddings`` (refused). With client API keys every
+``/v1`` route needs one (401 otherwise). Errors are OpenAI-shaped ``{"error": {...}}``: 404 for a model name
+other than the served one, 400 for malformed requests, 502 when the server is unreachable, answers badly or serves another model than the
 key's (checked reply by reply before decoding, see :class:`aloepri.serving.client.UpstreamGuard`), 504 when it times out.
 Nothing is logged in plaintext unless ``log_plaintext`` is set: the log has ids of requests, token counts,
 timings and statuses only.
