@@ -146,6 +146,34 @@ def test_client_backends_equal_plaintext(stack, expected, backend):
     assert "".join(d.text or "" for d in streamed) == expected[q]["text"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_on_real_weights_are_plaintext_tokens(smol, stack, expected, stream):
+    """SmolLM2's byte-level BPE: the returned tokens concatenate to the content, and each sampled token's
+    logprob is the plaintext model's (exact preset)."""
+    q = QUESTIONS[1]
+    kw = dict(model="server", messages=[{"role": "user", "content": q}], max_tokens=MAX_TOKENS, temperature=0,
+              logprobs=True, top_logprobs=2)
+    if stream:
+        content, entries = "", []
+        for chunk in _sdk(stack).chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                entries += c.logprobs.content if c.logprobs and c.logprobs.content else []
+    else:
+        r = _sdk(stack).chat.completions.create(**kw)
+        content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
+    want = expected[q]
+    assert content == want["text"] == "".join(e.token for e in entries)
+    assert len(entries) == len(want["reply_ids"])
+    plain = load_plain_model(smol)
+    with torch.no_grad():
+        logits = plain(torch.tensor([want["prompt_ids"] + want["reply_ids"]])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(want["prompt_ids"]) - 1:-1]
+    for j, e in enumerate(entries):
+        assert abs(e.logprob - float(ref[j, want["reply_ids"][j]])) < 2e-3
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+
+
 def test_stop_string_is_applied_on_the_client(stack, expected):
     q = QUESTIONS[0]
     stack["recorder"].clear()

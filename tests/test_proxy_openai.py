@@ -720,3 +720,37 @@ def test_qwen_coder_calls_a_tool_through_the_proxy(tmp_path):
                                           max_tokens=48)
             assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
             assert re.search(r"21|sunny", r.choices[0].message.content, re.I), r.choices[0].message.content
+
+
+def test_reply_decoder_logprobs_follow_the_text_across_multibyte_characters_and_stop_strings():
+    """Byte tokens (a character spans several): each entry's token is the text it adds ("" inside a character),
+    entries are handed out with their text, and a stop string cuts them with it."""
+    import numpy as np
+
+    from aloepri.keyfile import KeyFile
+    from aloepri.serving.client import ReplyDecoder
+
+    class ByteTokenizer:
+        def decode(self, ids, skip_special_tokens=True, **_):
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    perm = np.random.default_rng(3).permutation(257).tolist()
+    key = KeyFile(vocab_permutation=perm, model_fingerprint="0" * 64, params={}, seed=0, h_effective=0,
+                  hidden_size=0, source="", architecture="llama", special_tokens={"eos_token_id": 256})
+    text = "né 🙂 ok"
+    ids = list(text.encode())
+    server = key.encode_ids(ids)
+    lps = [(-0.1 * (j + 1), [(server[j], -0.1 * (j + 1)), (key.encode_ids([65])[0], -5.0)]) for j in range(len(ids))]
+    for stop, want in [(None, text), ("ok", "né 🙂 "), ("🙂", "né ")]:
+        dec = ReplyDecoder(key, ByteTokenizer(), stop=[stop] if stop else [])
+        deltas = [dec.feed([sid], [lp]) for sid, lp in zip(server, lps)]
+        if not dec.done:
+            deltas.append(dec.finish("stop"))
+        out_text = "".join(d.text for d in deltas)
+        handed = [e for d in deltas for e in d.logprobs]
+        assert out_text == want == "".join(e.token for e in handed) == "".join(e.token for e in dec.logprobs)
+        for d in deltas:  # each delta carries the entries of its own text, no more
+            assert "".join(e.token for e in d.logprobs) == d.text
+        assert [e.token_id for e in handed] == ids[: len(handed)]
+        assert handed[0].top == [(ids[0], "n", -0.1), (65, "A", -5.0)]
+        assert len(handed) == len(want.encode())

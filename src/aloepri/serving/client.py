@@ -685,13 +685,16 @@ class ReplyDecoder:
         out = []
         while self._lp_released < len(self._lp_all):
             i = self._lp_released
-            entry, start = self._lp_all[i], (self._lp_ends[i - 1] if i else 0)
-            if limit is None or self._lp_ends[i] <= limit:
+            entry, start, end = self._lp_all[i], (self._lp_ends[i - 1] if i else 0), self._lp_ends[i]
+            if limit is None or (final and not self.cut_by_stop_string):
                 out.append(entry)
-            elif final and start < limit:
-                entry.token = (entry.token or "")[: limit - start]
-                out.append(entry)
-            elif not final:
+            elif final:  # cut by a stop string: the tokens before the cut, the one it cut shortened
+                if start < limit:
+                    entry.token = (entry.token or "")[: limit - start]
+                    out.append(entry)
+            elif end < limit or (end == limit and entry.token):
+                out.append(entry)  # (a token that adds no text yet waits: it may begin a stop string)
+            else:
                 break
             self._lp_released += 1
         self.logprobs.extend(out)
