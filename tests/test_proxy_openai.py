@@ -754,3 +754,15 @@ def test_reply_decoder_logprobs_follow_the_text_across_multibyte_characters_and_
         assert [e.token_id for e in handed] == ids[: len(handed)]
         assert handed[0].top == [(ids[0], "n", -0.1), (65, "A", -5.0)]
         assert len(handed) == len(want.encode())
+
+
+@pytest.mark.parametrize("backend", ["llamacpp-native", "openai-text"])
+def test_backends_without_ids_for_logprobs_or_choices_refuse_them(stack, tiny, backend):
+    p = build_proxy(tiny["key"], stack["upstream"], tokenizer=ToolTokenizer(), backend=backend)
+    with ServerThread(p.app()) as url:
+        c = sdk(url, "unused")
+        for kw, needle in [({"logprobs": 1}, "'logprobs'"), ({"n": 2}, "'n'")]:
+            with pytest.raises(openai.BadRequestError) as e:
+                c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **kw)
+            assert needle in e.value.body["message"] and backend in e.value.body["message"]
+        assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
