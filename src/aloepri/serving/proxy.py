@@ -100,7 +100,7 @@ def _chat_logprobs(body: dict) -> int | None:
     if want is not None and not isinstance(want, bool):
         raise BadRequest("'logprobs' must be a boolean", "logprobs")
     top = number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
-    if top is not None and not want:
+    if top and not want:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if want else None
 
