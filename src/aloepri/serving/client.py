@@ -1094,7 +1094,8 @@ class ReplyState:
 
     def _decoder_of(self, piece: Piece) -> ReplyDecoder:
         if not 0 <= piece.index < len(self.decoders):
-            raise UpstreamProtocolError(f"the server answered choice {piece.index}; {len(self.decoders)} were asked for")
+            raise UpstreamProtocolError(f"the server answered choice {piece.index}; {len(self.decoders)} were "
+                                        "asked for")
         return self.decoders[piece.index]
 
     def _all_done(self) -> bool:

@@ -9,8 +9,9 @@ Endpoints: ``GET /v1/models``, ``GET /v1/models/{name}``, ``GET /health``, ``POS
 ``POST /v1/completions`` (both with ``stream: true`` as server-sent events; ``n``, ``logprobs`` and, on chat,
 ``tools`` are served: see docs/serving.md's table), ``POST /v1/embeddings`` (refused). With client API keys every
 ``/v1`` route needs one (401 otherwise). Errors are OpenAI-shaped ``{"error": {...}}``: 404 for a model name
-other than the served one, 400 for malformed requests, 502 when the server is unreachable, answers badly or serves another model than the
-key's (checked reply by reply before decoding, see :class:`aloepri.serving.client.UpstreamGuard`), 504 when it times out.
+other than the served one, 400 for malformed requests, 502 when the server is unreachable, answers badly or
+serves another model than the key's (checked reply by reply before decoding, see
+:class:`aloepri.serving.client.UpstreamGuard`), 504 when it times out.
 Nothing is logged in plaintext unless ``log_plaintext`` is set: the log has ids of requests, token counts,
 timings and statuses only.
 """
