@@ -36,7 +36,7 @@ class ToolTokenizer(CharTokenizer):
 
     def __init__(self):
         super().__init__()
-        self.chars = [{"`": "\n", "^": "}"}.get(c, c) for c in self.chars]
+        self.chars = [{"\\": "\n", "^": "}"}.get(c, c) for c in self.chars]
         self.index = {c: i + 3 for i, c in enumerate(self.chars)}
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None, **_):
@@ -395,9 +395,14 @@ def _stream_chat(url, **kw):
     return content, [calls[i] for i in sorted(calls)], finish
 
 
-@pytest.mark.parametrize("before", ["", "Let me see. "])
-def test_tool_call_is_parsed_into_openai_tool_calls(scripted, before):
-    url, seen = scripted(before + CALL_TEXT)
+BARE_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("before,reply", [("", CALL_TEXT), ("Let me see. ", CALL_TEXT), ("", BARE_CALL),
+                                          ("", "```json\n" + BARE_CALL + "\n```")],
+                         ids=["tagged", "text-then-tagged", "bare", "fenced"])
+def test_tool_call_is_parsed_into_openai_tool_calls(scripted, before, reply):
+    url, seen = scripted(before + reply)
     msgs = [{"role": "user", "content": "Paris?"}]
     r = sdk(url, "unused").chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER])
     ch = r.choices[0]
@@ -442,8 +447,10 @@ def test_a_conversation_with_tool_calls_and_results_renders(scripted, tiny):
     assert "t:sunny, 21 C\n" in prompt
 
 
-def test_malformed_tool_call_text_stays_content(scripted):
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
+@pytest.mark.parametrize("text", ['<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',
+                                  '{"name": "not_a_tool", "arguments": {}}', '{"city": "Paris"}', "[1, 2]"],
+                         ids=["broken-json", "unknown-tool", "other-json", "a-list"])
+def test_text_that_is_not_a_tool_call_stays_content(scripted, text):
     url, _ = scripted(text)
     msgs = [{"role": "user", "content": "x"}]
     r = sdk(url, "unused").chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER])
@@ -465,6 +472,16 @@ def test_tool_call_parsing_units():
     assert out == "Hi <toolx "
     rest, calls = s.finish()
     assert rest == "" and calls[0]["function"]["name"] == "f" and calls[0]["function"]["arguments"] == "{}"
+    # a bare call object counts only when it names one of the request's tools
+    assert parse_tool_calls('{"name": "f", "arguments": {"x": 1}}') is None
+    assert parse_tool_calls('{"name": "f", "arguments": {"x": 1}}', {"f"})[1][0]["function"]["arguments"] == \
+        '{"x": 1}'
+    assert parse_tool_calls('{"name": "f", "arguments": {}, "extra": 1}', {"f"}) is None
+    s = ToolCallStream({"f"})
+    assert s.push("  ") == "" and s.push('{"name": "f",') == "" and s.push(' "arguments": {}}') == ""
+    assert s.finish()[1][0]["function"]["name"] == "f"
+    s = ToolCallStream({"f"})
+    assert s.push(" Sure") == " Sure" and s.push(' {"name": "f"}') == ' {"name": "f"}'  # mid-text: content
 
 
 def test_tool_requests_the_proxy_cannot_serve_are_refused(stack):

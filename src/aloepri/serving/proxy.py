@@ -492,7 +492,7 @@ class Proxy:
             return choice
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = r.finish_reason
-        parsed = parse_tool_calls(text) if ask.tools else None
+        parsed = parse_tool_calls(text, _tool_names(ask.tools)) if ask.tools else None
         if parsed is not None:
             message["content"], message["tool_calls"] = parsed
             finish = "tool_calls"
@@ -519,7 +519,7 @@ class Proxy:
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         n = ask.params.n
-        tool_streams = [ToolCallStream() for _ in range(n)] if ask.tools else None
+        tool_streams = [ToolCallStream(_tool_names(ask.tools)) for _ in range(n)] if ask.tools else None
         offsets = [0] * n  # completions' text_offset, per choice
 
         def chunk(index: int, delta: dict | None = None, text: str | None = None, finish: str | None = None,
@@ -580,6 +580,10 @@ class Proxy:
                 log.info("%s %s stream ended early after %.0f ms", rid, kind, 1e3 * (time.perf_counter() - t0))
             with anyio.CancelScope(shield=True):
                 await rs.aclose()
+
+
+def _tool_names(tools: list[dict]) -> set[str]:
+    return {t["function"]["name"] for t in tools}
 
 
 def _token_bytes(text: str | None) -> list[int] | None:

@@ -4,7 +4,8 @@ others trained on that format).
 
 The server only sees token ids, so everything an engine's tool parser does happens here: the tools are rendered
 into the prompt by the plaintext chat template, and the decoded reply is parsed for tool calls, which become
-OpenAI ``tool_calls``. :class:`ToolCallStream` does the same on a streamed reply: it hands out content until a
+OpenAI ``tool_calls``. A reply that is only a call object naming one of the request's tools, without the tags
+(small models trained on the format sometimes leave them out), is a call too. :class:`ToolCallStream` does the same on a streamed reply: it hands out content until a
 tool call begins and holds the rest until the reply ends. No torch here.
 """
 from __future__ import annotations
@@ -85,12 +86,38 @@ def _call(block: str) -> dict[str, Any] | None:
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+def _bare_calls(text: str, names: set[str] | None) -> list[dict[str, Any]] | None:
+    """A reply that is nothing but a call object (or a list of them) naming one of the request's tools, bare or
+    in a ```json fence: small models trained on the tagged format sometimes leave the tags out."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    body = fenced.group(1) if fenced else body
+    if not body.startswith(("{", "[")) or not names:
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    objs = obj if isinstance(obj, list) else [obj]
+    if not objs or not all(isinstance(o, dict) and o.get("name") in names and set(o) <= {"name", "arguments",
+                                                                                         "parameters"}
+                           for o in objs):
+        return None
+    calls = [_call(json.dumps(o)) for o in objs]
+    return None if any(c is None for c in calls) else calls
+
+
+def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | None, list[dict[str, Any]]] | None:
     """(content before the calls or None, OpenAI tool_calls) if ``text`` holds tool calls that all parse;
-    None otherwise (then the text is the reply's content, as engines' parsers leave it)."""
+    None otherwise (then the text is the reply's content, as engines' parsers leave it). ``names``: the
+    request's tool names; with them, a reply that is only a call object naming one of them counts too."""
     start = text.find(OPEN)
     if start < 0:
-        return None
+        calls = _bare_calls(text, names)
+        return None if calls is None else (None, calls)
     calls = [_call(m.group(1)) for m in _BLOCK.finditer(text, start)]
     if not calls or any(c is None for c in calls):
         return None
@@ -100,15 +127,23 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]] | Non
 
 class ToolCallStream:
     """A streamed reply's text in, content to hand out now; from ``<tool_call>`` on the text is held, and
-    :meth:`finish` parses it. A tail that could still become ``<tool_call>`` is held back too."""
+    :meth:`finish` parses it. A tail that could still become ``<tool_call>`` is held back too, and so is a reply
+    that begins like a bare call object (``{``, ``[`` or a code fence) until it ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: set[str] | None = None) -> None:
+        self.names = names
         self._pending = ""
         self._in_call = False
+        self._started = False  # some content was handed out
 
     def push(self, text: str) -> str:
         self._pending += text
         if self._in_call:
+            return ""
+        head = self._pending.lstrip()
+        if not self._started and self.names and (not head or head[0] in "{[`"):
+            if head:
+                self._in_call = True  # perhaps a bare call: decided at the end
             return ""
         i = self._pending.find(OPEN)
         if i >= 0:
@@ -118,6 +153,7 @@ class ToolCallStream:
                      if self._pending.endswith(OPEN[:k])), 0)
         cut = len(self._pending) - hold
         out, self._pending = self._pending[:cut], self._pending[cut:]
+        self._started = self._started or bool(out)
         return out
 
     def finish(self) -> tuple[str, list[dict[str, Any]] | None]:
@@ -125,7 +161,7 @@ class ToolCallStream:
         rest, self._pending = self._pending, ""
         if not self._in_call:
             return rest, None
-        parsed = parse_tool_calls(rest)
+        parsed = parse_tool_calls(rest, self.names)
         if parsed is None:
             return rest, None
         content, calls = parsed
