@@ -783,3 +783,22 @@ def test_backends_without_ids_for_logprobs_or_choices_refuse_them(stack, tiny, b
                 c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **kw)
             assert needle in e.value.body["message"] and backend in e.value.body["message"]
         assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def test_sdk_client_n_and_logprobs(stack, tiny, plain):
+    """The Python SDK straight to serve-local: n > 1 gives one Completion per choice; logprobs per token."""
+    from aloepri.serving.client import Client
+
+    want = greedy(plain, PROMPT, 6, 2)
+    with Client(tiny["key"], stack["upstream"]) as c:
+        both = c.complete(PROMPT, max_tokens=6, temperature=0, n=2, logprobs=1)
+        streamed = list(c.complete(PROMPT, max_tokens=6, temperature=0, n=2, stream=True))
+        one = c.complete(PROMPT, max_tokens=6, temperature=0, logprobs=0)
+    assert [(r.index, r.token_ids) for r in both] == [(0, want), (1, want)]
+    assert [e.token_id for e in both[1].logprobs] == want and all(len(e.top) in (1, 2) for e in both[1].logprobs)
+    for i in (0, 1):
+        assert [t for d in streamed if d.index == i for t in d.token_ids] == want
+    assert one.token_ids == want and [e.token_id for e in one.logprobs] == want
+    ref = _plain_logprobs(plain, PROMPT, want)
+    assert all(math.isclose(e.logprob, float(ref[j, want[j]]), abs_tol=1e-4) for j, e in enumerate(one.logprobs))
+    assert all(e.token is None and e.top == [(want[j], None, e.logprob)] for j, e in enumerate(one.logprobs))

@@ -1176,8 +1176,9 @@ class ReplyState:
 
 
 class Client:
-    """Synchronous client. ``chat`` / ``complete`` return a :class:`Completion`, or with ``stream=True`` a
-    :class:`ReplyStream` of :class:`Delta` (use it as a context manager, or iterate it to the end).
+    """Synchronous client. ``chat`` / ``complete`` return a :class:`Completion` (with ``n`` > 1 a list, one per
+    choice), or with ``stream=True`` a :class:`ReplyStream` of :class:`Delta` (use it as a context manager, or
+    iterate it to the end).
 
     ``tokenizer``: the plaintext tokenizer (object, directory or .gguf; default: the one the key names). Any object
     with ``apply_chat_template``, ``encode`` and ``decode`` like Hugging Face's works.
@@ -1238,7 +1239,7 @@ class Client:
         with rs:
             for _ in rs:
                 pass
-        return rs.result
+        return rs.results if params.n > 1 else rs.result
 
     def _send(self, call: Call, stream: bool):
         req = self._http.build_request(call.method, self._core.base_url + call.path, json=call.body,
@@ -1400,15 +1401,19 @@ class AsyncClient:
         return await self.open(self._core.completion_prompt_ids(prompt), _params(**params), True,
                                self._core.default_max_tokens)
 
-    async def chat(self, messages, **params) -> Completion:
-        rs = await self.open(self._core.chat_prompt_ids(messages), _params(**params), False,
-                             self._core.default_max_tokens)
-        return await rs.collect()
+    async def chat(self, messages, **params) -> Completion | list[Completion]:
+        """The finished reply (a list of them, one per choice, when ``n`` > 1)."""
+        p = _params(**params)
+        rs = await self.open(self._core.chat_prompt_ids(messages), p, False, self._core.default_max_tokens)
+        first = await rs.collect()
+        return rs.results if p.n > 1 else first
 
-    async def complete(self, prompt, **params) -> Completion:
-        rs = await self.open(self._core.completion_prompt_ids(prompt), _params(**params), False,
-                             self._core.default_max_tokens)
-        return await rs.collect()
+    async def complete(self, prompt, **params) -> Completion | list[Completion]:
+        """As :meth:`chat`."""
+        p = _params(**params)
+        rs = await self.open(self._core.completion_prompt_ids(prompt), p, False, self._core.default_max_tokens)
+        first = await rs.collect()
+        return rs.results if p.n > 1 else first
 
 
 class AsyncReplyStream:
