@@ -332,7 +332,8 @@ def test_proxy_client_disconnect_cancels_the_upstream_request(tiny):
                 while not next(lines).startswith("data:"):
                     pass
             deadline = time.monotonic() + 5
-            while not state.get("finished") and time.monotonic() < deadline:
+            # the proxy closes the upstream stream, then counts the request out: wait for both
+            while not (state.get("finished") and p.in_flight == 0) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert state.get("started") and state.get("finished"), "upstream stream was not closed"
             assert p.in_flight == 0
