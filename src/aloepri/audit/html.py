@@ -131,10 +131,10 @@ def plot_svg(report: dict[str, Any], measured: dict[str, Any] | None = None) -> 
 # --- page -----------------------------------------------------------------------------------------------------
 
 
-def load_context() -> tuple[list[dict[str, Any]] | None, str | None]:
-    """(sections, problem): the measured context if the package has it; (None, None) when it has none."""
+def load_context(path: Any = None) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(sections, problem): the measured context (the package's file, or ``path``); (None, None) when absent."""
     try:
-        ref = resources.files(__package__).joinpath(CONTEXT_FILE)
+        ref = path if path is not None else resources.files(__package__).joinpath(CONTEXT_FILE)
         if not ref.is_file():
             return None, None
         sections = json.loads(ref.read_text(encoding="utf-8"))["sections"]
@@ -210,8 +210,8 @@ def _kv_table(d: dict[str, Any]) -> str:
                                for k, v in d.items()) + "</table>"
 
 
-def _context_html() -> str:
-    sections, problem = load_context()
+def _context_html(path: Any = None) -> str:
+    sections, problem = load_context(path)
     if problem:
         return f'<h2>Measured context</h2><p class="small">{escape(problem)}</p>'
     if not sections:
@@ -229,7 +229,8 @@ def _context_html() -> str:
     return "".join(out)
 
 
-def render_html(report: dict[str, Any]) -> str:
+def render_html(report: dict[str, Any], context_path: Any = None) -> str:
+    """The page for a report.json dict; ``context_path`` replaces the package's measured context file."""
     measured = frontier_mod.load_measured()
     p = report["parameters"]
     presets = ", ".join(p.get("matches_presets") or []) or "custom"
@@ -251,7 +252,7 @@ def render_html(report: dict[str, Any]) -> str:
         "useful accuracy means no measured setting hides the prompts from the provider there.</p>",
         "<h2>Attacks</h2>", _attack_rows(report["attacks"]),
         "<h2>Fidelity</h2>", _fidelity_html(report["fidelity"]),
-        _context_html(),
+        _context_html(context_path),
         "<h2>Parameters</h2>", _kv_table({**p["params"], "h (effective)": p.get("h_effective"),
                                           "architecture": p.get("architecture"), "vocabulary": p.get("vocab_size"),
                                           "model fingerprint": p.get("model_fingerprint")}),
