@@ -146,6 +146,21 @@ def test_no_provider_attack_ran_means_unknown(lossless, tmp_path, monkeypatch):
     assert rep.verdict["headline"].startswith("Unknown")
 
 
+def test_a_wrong_plaintext_model_is_flagged(lossless, tmp_path):
+    """Given another model as PLAIN, the attacks recover little: the report must say the figure may be understated
+    rather than let it pass as protection."""
+    from tiny_models import build_tiny  # tests/ is on the path (conftest.py)
+
+    src, work = lossless
+    wrong = build_tiny("llama", tmp_path / "wrong-model", seed=99)
+    rep = run_audit(wrong, work / "server", work / "client.key", "ci", tmp_path / "r", prompts=2, progress=False,
+                    plan=(PlannedAttack("gate-ia", PROVIDER, ("ci",)),))
+    assert rep.data["fidelity"]["top1_agreement"] < 0.5
+    assert any("not the one that was obfuscated" in w for w in rep.data["warnings"])
+    assert any("made from" in w for w in rep.data["warnings"])
+    assert "understate" in rep.html_path.read_text()
+
+
 def _entry(name, observer, status="ran", ttrsr=None, **kw):
     return {"name": name, "observer": observer, "status": status, "ttrsr": ttrsr, "applicable": True, **kw}
 
@@ -227,7 +242,10 @@ def test_report_renders_in_headless_chromium(lossless, ci_report, tmp_path):
            ci_report.html_path.resolve().as_uri()]
     if os.geteuid() == 0:
         cmd.insert(1, "--no-sandbox")  # chromium refuses to run as root with its sandbox
-    subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    try:
+        subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("chromium did not finish the screenshot in 120 s")
     assert shot.is_file(), "chromium wrote no screenshot"
     img = Image.open(shot).convert("RGB")
     assert img.size == (1000, 1400)

@@ -8,10 +8,8 @@ from typing import Any
 
 
 def cmd_audit(a: argparse.Namespace) -> int:
-    from .run import run_audit, validate_inputs
+    from .run import run_audit  # validates every input before a model loads: one line, exit 2 (aloepri.cli)
 
-    # validated before the models load, so a bad input costs nothing and says one line (exit 2 in aloepri.cli)
-    validate_inputs(a.plain, a.obfuscated, a.key, a.budget, a.out, a.prompts, a.seed, a.threads)
     command = shlex.join(["aloepri", "audit", str(a.plain), "--obfuscated", str(a.obfuscated), "--key", str(a.key),
                           "--budget", a.budget, "--out", str(a.out), "--seed", str(a.seed), "--threads", str(a.threads)]
                          + (["--prompts", str(a.prompts)] if a.prompts is not None else []))

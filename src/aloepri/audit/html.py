@@ -160,6 +160,8 @@ def _verdict_html(report: dict[str, Any]) -> str:
                    f'{" — at least " + _pct(o["recovery"]) if o["lower_bound"] and o["recovery"] is not None and o["recovery"] < 1 else ""}'
                    f'</span><p>{escape(o["text"])}</p></div>')
     out.append("</div>")
+    for w in report.get("warnings") or []:
+        out.append(f'<p class="warn">Check: {escape(w)}.</p>')
     if any(v[k]["lower_bound"] for k in (PROVIDER, ID_STREAM)):
         out.append('<p class="warn">Some attacks did not run (see the table). A recovery figure is then a lower '
                    'bound: the real exposure can be higher, and a low figure cannot be read as safety. Rerun with '

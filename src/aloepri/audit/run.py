@@ -258,13 +258,14 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
               command: str | None = None, log: Callable[[str], None] | None = None) -> "AuditReport":
     """Audit one obfuscated deployment: fidelity and the planned attacks within ``budget``, then report.json and
     report.html in ``out`` (each written atomically). ``plan`` replaces the attack plan (tests)."""
+    inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads)  # before any model loads
+
     import torch
     from tqdm.auto import tqdm
 
     from ..attacks import REGISTRY, UNAVAILABLE
     from ..attacks.base import AttackTarget, Budget, has_tokenizer
 
-    inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads)
     started = time.time()
     torch.set_num_threads(inp.threads)
     target = AttackTarget(inp.plain, inp.obfuscated, inp.key)
@@ -307,6 +308,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
     attacks = [e if e is not None else results[p.name] for p, e in zip(planned, entries)]
 
     v = verdicts(attacks)
+    warnings = input_warnings(inp, fidelity)
     ran = [a for a in attacks if a["status"] == RAN]
     worst = max(ran, key=lambda a: a["ttrsr"]) if ran else None
     finished = time.time()
@@ -315,6 +317,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
         "worst_prompt_token_recovery": worst["ttrsr"] if worst else None,
         "worst_attack": worst["name"] if worst else None,
         "verdict": {"headline": headline(v), **{k: o.to_dict() for k, o in v.items()}},
+        "warnings": warnings,
         "attacks": attacks,
         "fidelity": fidelity,
         "parameters": parameters(inp.key),
@@ -328,6 +331,22 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
         "time": {"started": _iso(started), "finished": _iso(finished), "seconds": round(finished - started, 1)},
     }
     return write_report(report, inp.out)
+
+
+def input_warnings(inp: AuditInputs, fidelity: dict[str, Any]) -> list[str]:
+    """Signs that PLAIN is not the model that was obfuscated: attacks that compare the two models would then
+    recover less than a real provider, who holds the right one, and the audit would understate the exposure."""
+    out = []
+    made_from = Path(inp.key.source).name
+    if made_from and made_from != inp.plain.name:
+        out.append(f"the key says the obfuscated model was made from {made_from!r}, and the audit was given "
+                   f"{inp.plain.name!r}: if that is another model, the attacks understate what the provider can read")
+    top1 = fidelity.get("top1_agreement")
+    if top1 is not None and top1 < 0.5:
+        out.append(f"the obfuscated model agrees with the given plaintext model on only {100 * top1:.0f}% of "
+                   "next-token choices: either the setting destroys accuracy, or the plaintext model is not the one "
+                   "that was obfuscated (then the attacks understate what the provider can read)")
+    return out
 
 
 def _iso(t: float) -> str:
