@@ -259,7 +259,8 @@ def test_report_renders_in_headless_chromium(lossless, ci_report, tmp_path):
 @pytest.mark.slow
 def test_smollm2_lossless_audit_reads_the_prompts(tmp_path):
     """The lossless setting (exact transforms, h = 0, outlier dimensions kept) on SmolLM2: the ci audit reports
-    the prompts readable (>= 90% of prompt tokens)."""
+    the prompts readable (>= 90% of prompt tokens). Only the two weight attacks run here (a minute or two); the
+    whole ci plan, behavioural attacks included, is measured by `aloepri audit --budget ci` (minutes more)."""
     from conftest import smollm2_or_skip
 
     smol = smollm2_or_skip()

@@ -101,7 +101,7 @@ def plot_svg(report: dict[str, Any], measured: dict[str, Any] | None = None) -> 
         parts.append(f'<path d="{path}" fill="none" stroke="#4a5568" stroke-width="1.5" stroke-dasharray="6 3"/>')
         legend.append(('<circle r="3" fill="#cbd5e0"/>', f"measured settings ({len(pts)})"))
         legend.append(('<line x1="-8" x2="8" stroke="#4a5568" stroke-dasharray="6 3" stroke-width="1.5"/>',
-                       f"measured frontier, {measured['models'][model]['title'].split(' ')[0]}"))
+                       f"measured frontier ({model})"))
     fid = report.get("fidelity") or {}
     top1 = fid.get("top1_agreement")
     ran = [a for a in report["attacks"] if a["status"] == "ran"]

@@ -269,6 +269,9 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
     started = time.time()
     torch.set_num_threads(inp.threads)
     target = AttackTarget(inp.plain, inp.obfuscated, inp.key)
+    if target.vocab_size != inp.key.vocab_size:  # (a .gguf PLAIN is only readable once loaded)
+        raise AuditInputError(f"the plaintext model {inp.plain} has {target.vocab_size} tokens but the key has "
+                              f"{inp.key.vocab_size}: give the model that was obfuscated")
     has_tok = has_tokenizer(target)
     attack_budget = Budget.named(inp.budget)
     attack_budget.threads = inp.threads
