@@ -54,7 +54,7 @@ def test_ci_audit_report_schema_and_bounds(ci_report, lossless):
     for k in ("worst_prompt_token_recovery", "worst_attack", "verdict", "attacks", "fidelity", "parameters",
               "versions", "git", "machine", "time", "budget", "private_prompts"):
         assert k in data, k
-    assert data["budget"] == "ci"
+    assert data["budget"] == "ci" and data["complete"] is True and data["time"]["finished"]
     assert set(data["versions"]) >= {"aloepri", "torch", "transformers"}
     assert data["versions"]["torch"] and data["versions"]["transformers"]
     ran = [a for a in data["attacks"] if a["status"] == "ran"]
@@ -134,6 +134,29 @@ def test_forced_skip_and_failure_are_not_run_and_never_safe(lossless, tmp_path, 
         assert not SAFE.search(v["text"])
     page = rep.html_path.read_text()
     assert page.count("not run") >= 2 and "failed" in page and "simulated crash" in page
+
+
+def test_a_stopped_audit_leaves_an_honest_partial_report(lossless, tmp_path, monkeypatch):
+    """Killed midway (here: interrupted in its second attack), the audit has already written what it measured,
+    with the attacks it did not reach as not run, the figure a lower bound."""
+    src, work = lossless
+
+    def interrupted(target, data, budget, seed=0):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(REGISTRY, "fake-low", _Fake.low)
+    monkeypatch.setitem(REGISTRY, "fake-interrupted", interrupted)
+    plan = (PlannedAttack("fake-low", PROVIDER, ("ci",)), PlannedAttack("fake-interrupted", PROVIDER, ("ci",)))
+    with pytest.raises(KeyboardInterrupt):
+        run_audit(src, work / "server", work / "client.key", "ci", tmp_path / "r", prompts=2, progress=False,
+                  plan=plan)
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["complete"] is False and data["time"]["finished"] is None
+    by = {a["name"]: a for a in data["attacks"]}
+    assert by["fake-low"]["status"] == "ran" and by["fake-interrupted"]["status"] == "skipped"
+    assert data["verdict"][PROVIDER]["lower_bound"] and "lower bound" in data["verdict"][PROVIDER]["text"]
+    assert any("partial" in w for w in data["warnings"])
+    assert "partial" in (tmp_path / "r" / "report.html").read_text()
 
 
 def test_no_provider_attack_ran_means_unknown(lossless, tmp_path, monkeypatch):

@@ -191,7 +191,8 @@ def _attack_rows(attacks: Sequence[dict[str, Any]]) -> str:
 
 def _fidelity_html(fid: dict[str, Any]) -> str:
     if fid.get("status") != "ran":
-        return f'<p class="notrun">Fidelity not measured: {escape(fid.get("error", "unknown error"))}</p>'
+        why = fid.get("error") or fid.get("reason") or "unknown error"
+        return f'<p class="notrun">Fidelity not measured: {escape(why)}</p>'
     rows = [("Top-1 agreement with the plaintext model", _num(fid.get("top1_agreement"))),
             ("Mean KL divergence (nats per position)", _num(fid.get("mean_kl"), "{:.4f}")),
             ("Greedy continuations identical", _pct(fid.get("greedy_match_rate"), 0)),
@@ -245,7 +246,7 @@ def render_html(report: dict[str, Any], context_path: Any = None) -> str:
     body = [
         f"<h1>{title}</h1>",
         f'<p class="sub">Budget <b>{escape(report["budget"])}</b> · setting {escape(presets)} '
-        f'(h = {p.get("h_effective")}) · {escape(report["time"]["finished"])}</p>',
+        f'(h = {p.get("h_effective")}) · {escape(report["time"]["finished"] or "partial report")}</p>',
         "<h2>Who can read your prompts</h2>", _verdict_html(report),
         "<h2>Recovery against accuracy</h2>", plot_svg(report, measured),
         '<p class="small">Each coloured point is one attack of this audit, at this setting\'s top-1 agreement. Grey '

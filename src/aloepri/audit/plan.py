@@ -34,25 +34,26 @@ class PlannedAttack:
     moe_only: bool = False
 
 
-# Strongest first inside each observer, so a `ci` audit spends its time where recovery was measured highest.
+# Strongest first (measured highest recovery), the cheap frequency attacks before the slower state inversions, so
+# a partial report (an audit stopped midway) already holds the figures that matter most.
 PLAN: tuple[PlannedAttack, ...] = (
     PlannedAttack("behavioural-composed", PROVIDER, BUDGETS),
     PlannedAttack("behavioural", PROVIDER, ("small", "full")),
     PlannedAttack("vma", PROVIDER, BUDGETS),
     PlannedAttack("gate-ia", PROVIDER, BUDGETS),
+    PlannedAttack("tfma", ID_STREAM, BUDGETS, needs_tokenizer=True),
+    PlannedAttack("tfma-domain-aware", ID_STREAM, BUDGETS, needs_tokenizer=True),
+    PlannedAttack("tfma-zero-knowledge", ID_STREAM, BUDGETS, needs_tokenizer=True),
     PlannedAttack("isa_anchor", PROVIDER, BUDGETS),
     PlannedAttack("routing_leak", PROVIDER, BUDGETS, moe_only=True),
     PlannedAttack("freq-ridge", PROVIDER, ("small", "full"), needs_tokenizer=True),
     PlannedAttack("attn-ia-sorted", PROVIDER, ("small", "full")),
+    PlannedAttack("sda-distribution-aware", ID_STREAM, ("small", "full"), needs_tokenizer=True),
     PlannedAttack("attn-ia", PROVIDER, ("full",)),
     PlannedAttack("nn", PROVIDER, ("full",)),
     PlannedAttack("isa_hidden", PROVIDER, ("full",)),
     PlannedAttack("isa_attention", PROVIDER, ("full",)),
     PlannedAttack("ima", PROVIDER, ("full",)),
-    PlannedAttack("tfma", ID_STREAM, BUDGETS, needs_tokenizer=True),
-    PlannedAttack("tfma-domain-aware", ID_STREAM, BUDGETS, needs_tokenizer=True),
-    PlannedAttack("tfma-zero-knowledge", ID_STREAM, BUDGETS, needs_tokenizer=True),
-    PlannedAttack("sda-distribution-aware", ID_STREAM, ("small", "full"), needs_tokenizer=True),
     PlannedAttack("sda-domain-aware", ID_STREAM, ("full",), needs_tokenizer=True),
     PlannedAttack("sda-zero-knowledge", ID_STREAM, ("full",), needs_tokenizer=True),
 )

@@ -35,6 +35,7 @@ REPORT_FORMAT, REPORT_VERSION = "aloepri-audit", 1
 # fidelity per budget: built-in chat prompts, greedy tokens, corpus texts for perplexity (0: none)
 FIDELITY_BUDGETS = {"ci": (8, 16, 0), "small": (20, 24, 16), "full": (20, 24, 32)}
 DEFAULT_PROMPTS = {"ci": 20, "small": 50, "full": 50}
+PENDING = "the audit had not reached this step when the report was written"
 
 
 class AuditInputError(ValueError):
@@ -289,6 +290,42 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
             entries.append({**_attack_entry(p), "status": SKIPPED, "reason": skip[0], "why": skip[1],
                             "applicable": skip[2]})
 
+    results: dict[str, dict[str, Any]] = {}
+    fidelity: dict[str, Any] = {"status": SKIPPED, "reason": PENDING}
+    prompt_info: dict[str, Any] = {}
+
+    def report(complete: bool) -> dict[str, Any]:
+        """The report as far as the audit got: an attack not reached yet is 'not run' (a killed audit leaves an
+        honest partial report, never a figure without its caveat)."""
+        attacks = [e if e is not None else results.get(p.name) or
+                   {**_attack_entry(p), "status": SKIPPED, "reason": PENDING, "why": "not reached"}
+                   for p, e in zip(planned, entries)]
+        v = verdicts(attacks)
+        ran = [a for a in attacks if a["status"] == RAN]
+        worst = max(ran, key=lambda a: a["ttrsr"]) if ran else None
+        now = time.time()
+        return {
+            "format": REPORT_FORMAT, "version": REPORT_VERSION, "complete": complete,
+            "worst_prompt_token_recovery": worst["ttrsr"] if worst else None,
+            "worst_attack": worst["name"] if worst else None,
+            "verdict": {"headline": headline(v), **{k: o.to_dict() for k, o in v.items()}},
+            "warnings": input_warnings(inp, fidelity) + ([] if complete else [
+                "this report is partial: the audit stopped (or is still running) before every attack ran"]),
+            "attacks": attacks,
+            "fidelity": fidelity,
+            "parameters": parameters(inp.key),
+            "private_prompts": prompt_info,
+            "inputs": {"plain": str(inp.plain), "obfuscated": str(inp.obfuscated), "key": str(inp.key_path)},
+            "budget": inp.budget, "seed": inp.seed, "threads": inp.threads,
+            "excluded_attacks": "oracle variants (ridge-k*, ima_oracle, routing_leak_oracle) read the key beyond "
+                                "scoring, outside the threat model; an audit does not run them",
+            "command": command,
+            "versions": env["versions"], "git": env["git"], "machine": env["machine"],
+            "time": {"started": _iso(started), "finished": _iso(now) if complete else None,
+                     "seconds": round(now - started, 1)},
+        }
+
+    env = {"versions": versions(), "git": git_commit(), "machine": machine()}
     bar = tqdm(total=len(to_run) + 1, desc="fidelity", unit="step", disable=not progress, dynamic_ncols=True)
     try:
         data, prompt_info = private_prompts(target, inp.prompts, inp.seed, has_tok)
@@ -296,44 +333,20 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
             fidelity = measure_fidelity(target, inp.key, inp.budget, has_tok)
         except Exception as err:  # noqa: BLE001 - reported; the attacks still run
             fidelity = {"status": FAILED, "error": " ".join(f"{type(err).__name__}: {err}".split())}
+        write_report(report(False), inp.out)
         bar.update(1)
-        results = {}
         for p in to_run:
             bar.set_description(p.name)
-            results[p.name] = run_planned(p, target, data, attack_budget, inp.seed)
-            r = results[p.name]
+            r = results[p.name] = run_planned(p, target, data, attack_budget, inp.seed)
+            write_report(report(False), inp.out)
             if log:
-                log(f"{p.name}: " + (f"{100 * r['ttrsr']:.1f}% of prompt tokens" if r["status"] == RAN
-                                     else f"{r['status']}: {r.get('reason') or r.get('error')}"))
+                with tqdm.external_write_mode():  # the line above the bar, not through it
+                    log(f"{p.name}: " + (f"{100 * r['ttrsr']:.1f}% of prompt tokens" if r["status"] == RAN
+                                         else f"{r['status']}: {r.get('reason') or r.get('error')}"))
             bar.update(1)
     finally:
         bar.close()
-    attacks = [e if e is not None else results[p.name] for p, e in zip(planned, entries)]
-
-    v = verdicts(attacks)
-    warnings = input_warnings(inp, fidelity)
-    ran = [a for a in attacks if a["status"] == RAN]
-    worst = max(ran, key=lambda a: a["ttrsr"]) if ran else None
-    finished = time.time()
-    report = {
-        "format": REPORT_FORMAT, "version": REPORT_VERSION,
-        "worst_prompt_token_recovery": worst["ttrsr"] if worst else None,
-        "worst_attack": worst["name"] if worst else None,
-        "verdict": {"headline": headline(v), **{k: o.to_dict() for k, o in v.items()}},
-        "warnings": warnings,
-        "attacks": attacks,
-        "fidelity": fidelity,
-        "parameters": parameters(inp.key),
-        "private_prompts": prompt_info,
-        "inputs": {"plain": str(inp.plain), "obfuscated": str(inp.obfuscated), "key": str(inp.key_path)},
-        "budget": inp.budget, "seed": inp.seed, "threads": inp.threads,
-        "excluded_attacks": "oracle variants (ridge-k*, ima_oracle, routing_leak_oracle) read the key beyond "
-                            "scoring, outside the threat model; an audit does not run them",
-        "command": command,
-        "versions": versions(), "git": git_commit(), "machine": machine(),
-        "time": {"started": _iso(started), "finished": _iso(finished), "seconds": round(finished - started, 1)},
-    }
-    return write_report(report, inp.out)
+    return write_report(report(True), inp.out)
 
 
 def input_warnings(inp: AuditInputs, fidelity: dict[str, Any]) -> list[str]:
