@@ -180,11 +180,11 @@ def _attack_rows(attacks: Sequence[dict[str, Any]]) -> str:
                         f'</td><td class="num">{_num(a.get("seconds"), "{:.0f}")}</td>'
                         f'<td class="small">{escape(a.get("uses") or "")}</td></tr>')
         else:
-            label = "not run" if a["status"] == "skipped" else "failed"
+            label, cls = ("not run", "notrun") if a["status"] == "skipped" else ("failed", "notrun")
             if a["status"] == "skipped" and not a.get("applicable", True):
-                label = "does not apply"
+                label, cls = "does not apply", "small"  # nothing left unmeasured
             why = a.get("reason") or a.get("error") or ""
-            rows.append(f'<tr><td>{escape(a["name"])}</td><td>{who}</td><td colspan="4" class="notrun">'
+            rows.append(f'<tr><td>{escape(a["name"])}</td><td>{who}</td><td colspan="4" class="{cls}">'
                         f'{label}</td><td class="small">{escape(why)}</td></tr>')
     return "<table>" + "".join(rows) + "</table>"
 
