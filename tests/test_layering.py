@@ -18,7 +18,7 @@ LAYERS = [
     ["aloepri.export", "aloepri.runtime"],  # GGUF export; in-process inference, tokenizers, fidelity
     ["aloepri.serving"],  # client SDK, proxy, local server, the shared OpenAI HTTP scaffold
     ["aloepri.attacks", "aloepri.eval"],  # attack suite; evaluation
-    ["aloepri.tuning", "aloepri.baselines"],  # parameter search over attacks + fidelity; baseline methods
+    ["aloepri.tuning", "aloepri.baselines", "aloepri.audit"],  # parameter search; baseline methods; the audit
     ["aloepri.cli", "aloepri"],  # the command line and the lazy public API (aloepri/__init__.py)
 ]
 

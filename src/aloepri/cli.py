@@ -181,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .tuning import add_tune_commands; add_tune_commands(sub)  # noqa: E702  (tune)
     from .attacks.cli import add_attack_commands; add_attack_commands(sub)  # noqa: E702  (attack)
     from .baselines.cli import add_baseline_commands; add_baseline_commands(sub)  # noqa: E702  (baseline)
+    from .audit.cli import add_audit_commands; add_audit_commands(sub)  # noqa: E702  (audit)
     return ap
 
 

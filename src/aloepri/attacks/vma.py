@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
+from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_mapping
 
 Tensor = torch.Tensor
 
@@ -257,7 +257,7 @@ def match_features(target: AttackTarget, data: PrivateData, plain_feats: Tensor,
     fused, _, _, _ = vote_match([obf_feats[torch.from_numpy(queries)]], [plain_feats])
     mapping = np.full(n, -1, dtype=np.int64)
     mapping[queries] = fused
-    scores = score_mapping(target, data, mapping)
+    scores = score_mapping(target, data, mapping, text_metrics=has_tokenizer(target))
     scores.pop("vocab_recovery", None)
     truth = np.argsort(target.true_permutation())[queries]  # scoring only
     in_sample = np.isin(queries, sampled)
@@ -313,7 +313,7 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
 
     mapping = np.full(n, -1, dtype=np.int64)
     mapping[queries] = fused
-    scores = score_mapping(target, data, mapping)
+    scores = score_mapping(target, data, mapping, text_metrics=has_tokenizer(target))
     scores.pop("vocab_recovery", None)  # only the queried ids are mapped: report the sampled estimate instead
     truth = np.argsort(target.true_permutation())[queries]  # scoring only
     in_sample = np.isin(queries, sampled)
