@@ -90,6 +90,13 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def save(store: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(store, indent=2) + "\n")
+    tmp.replace(RESULTS)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", default=None, help="plaintext model (default: SmolLM2-135M-Instruct GGUF)")
@@ -115,26 +122,25 @@ def main() -> int:
     t0 = time.perf_counter()
     server, key = obfuscate_once(src, work, a.preset)
     print(f"obfuscated {src.name} ({a.preset}) in {time.perf_counter() - t0:.0f} s -> {server}", flush=True)
-    rows = []
-    for dev in devices:
-        plan = [(WEIGHT_ATTACKS, "default")] + [("behavioural", b.strip()) for b in a.batches.split(",") if b.strip()]
-        for i, (attacks, batch) in enumerate(plan):
-            row = attack_once(src, server, key, attacks, dev, batch, a.budget, a.prompts, a.threads,
-                              work / f"report-{dev.replace(':', '_')}-{i}")
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("device", "batch", "wall_seconds", "attacks")}), flush=True)
     entry = {"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": src.name, "preset": a.preset,
              "budget": a.budget, "prompts": a.prompts, "threads": a.threads, "devices": names,
              "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
              "note": "configurations measured one after another in this run (same machine, same load); "
                      "compare ratios, not absolute seconds, across machines",
-             "rows": rows, "summary": summarise(rows)}
+             "complete": False, "rows": [], "summary": {}}
     store = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
     store["runs"].append(entry)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(store, indent=2) + "\n")
-    tmp.replace(RESULTS)
+    for dev in devices:
+        plan = [(WEIGHT_ATTACKS, "default")] + [("behavioural", b.strip()) for b in a.batches.split(",") if b.strip()]
+        for i, (attacks, batch) in enumerate(plan):
+            row = attack_once(src, server, key, attacks, dev, batch, a.budget, a.prompts, a.threads,
+                              work / f"report-{dev.replace(':', '_')}-{i}")
+            entry["rows"].append(row)
+            entry["summary"] = summarise(entry["rows"])
+            save(store)  # after every configuration: an interrupted run keeps what it measured
+            print(json.dumps({k: row[k] for k in ("device", "batch", "wall_seconds", "attacks")}), flush=True)
+    entry["complete"] = True
+    save(store)
     print(json.dumps(entry["summary"], indent=2))
     return 0
 
