@@ -2,8 +2,8 @@
 batch, measured side by side in one run.
 
 Each configuration is the real command (`python -m aloepri.cli attack ... --device D --batch N`) in its own process,
-timed from start to exit (model loading included), with the per-attack seconds and TTRSR read back from its report:
-equal TTRSR across batches and devices shows that only the speed changed. The configurations of one run are
+timed from start to exit (model loading included), with the per-attack seconds, TTRSR and vocabulary recovery read
+back from its report, so a change of result across batches or devices shows beside the change of speed. The configurations of one run are
 interleaved (device by device, batch by batch, in the order given), so a ratio compares runs minutes apart on the same
 machine; compare ratios, not absolute seconds, across machines.
 

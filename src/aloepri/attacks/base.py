@@ -30,7 +30,7 @@ class Budget:
     max_tokens_scored: int | None = None  # cap on observed prompt tokens scored (None = all)
     threads: int = 1
     # probe sequences per forward pass for the attacks that run the models on many inputs (behavioural); None =
-    # each stage's own default. Larger batches only change the speed (and memory), not the result
+    # each stage's own default. It changes the speed and memory; the result only through float32 rounding
     batch: int | None = None
 
     @classmethod
