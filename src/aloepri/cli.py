@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .obfuscation.params import PRESET_NOTES, PRESETS, ObfuscationParams, finite_number, resolve_params
+from .storage.devices import add_device_option
 
 _OVERRIDES = [f for f in ObfuscationParams.__dataclass_fields__.values()]
 
@@ -69,19 +70,19 @@ def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
     from .runtime.fidelity import builtin_prompt_ids, compare
-    from .runtime.inference import load_plain_model, load_tokenizer
+    from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
+    from .storage.devices import resolve_device
 
-    from transformers import AutoModelForCausalLM
-
+    device = resolve_device(a.device)
     key = load_key(a.key)
     check_key_matches(key, a.out)
     torch.manual_seed(0)
     tok = load_tokenizer(key, a.tokenizer or (a.src if Path(a.src).is_file() else None)) if not a.no_tokenizer else None
-    plain = load_plain_model(a.src)
-    obf = AutoModelForCausalLM.from_pretrained(a.out, dtype=torch.float32).eval()
+    plain = load_plain_model(a.src, device=device)
+    obf = load_obfuscated_model(a.out, device=device)
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
-    fid = compare(plain, obf, key, prompts, greedy_tokens=a.greedy_tokens)
+    fid = compare(plain, obf, key, prompts, greedy_tokens=a.greedy_tokens, device=device)
     print(json.dumps(fid.to_dict(), indent=2))
     return 0
 
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tokenizer", action="store_true", help="use random ids instead of chat prompts")
     p.add_argument("--prompts", type=int, default=None, help="number of built-in prompts (default all 20)")
     p.add_argument("--greedy-tokens", type=int, default=24)
+    add_device_option(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="obfuscate SmolLM2-135M-Instruct and answer a prompt privately")

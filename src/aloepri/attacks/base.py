@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..keyfile import KeyFile, load_key
+from ..storage.devices import resolve_device
 
 
 @dataclass
@@ -28,6 +29,9 @@ class Budget:
     scale: float = 1.0
     max_tokens_scored: int | None = None  # cap on observed prompt tokens scored (None = all)
     threads: int = 1
+    # probe sequences per forward pass for the attacks that run the models on many inputs (behavioural); None =
+    # each stage's own default. It changes the speed and memory; the result only through float32 rounding
+    batch: int | None = None
 
     @classmethod
     def named(cls, name: str) -> "Budget":
@@ -35,26 +39,41 @@ class Budget:
 
 
 class AttackTarget:
-    """An obfuscated deployment under attack: public plaintext model, server artifact, and the key (scoring only)."""
+    """An obfuscated deployment under attack: public plaintext model, server artifact, and the key (scoring only).
+
+    ``device`` ('cpu', 'cuda', 'cuda:1', ...; checked here, once): where both models are loaded and the attacks
+    that support it compute (``register(..., on_device=True)``); the others run on a CPU copy (``on("cpu")``)."""
 
     def __init__(self, plain_src: str | Path, obfuscated_dir: str | Path, key: KeyFile | str | Path | None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
         self.plain_src = Path(plain_src)
         self.obfuscated_dir = Path(obfuscated_dir)
         self.key = key if (key is None or isinstance(key, KeyFile)) else load_key(key)
         self.dtype = dtype
+        self.device = resolve_device(device)
+        self._elsewhere: dict[str, AttackTarget] = {}
+
+    def on(self, device: str | torch.device) -> "AttackTarget":
+        """The same deployment with its models on ``device`` (this target itself when it is already there; the
+        copy is made once and kept)."""
+        dev = resolve_device(device)
+        if dev == self.device:
+            return self
+        if str(dev) not in self._elsewhere:
+            self._elsewhere[str(dev)] = AttackTarget(self.plain_src, self.obfuscated_dir, self.key, self.dtype, dev)
+        return self._elsewhere[str(dev)]
 
     @cached_property
     def plain_model(self):
         from ..runtime.inference import load_plain_model
 
-        return load_plain_model(self.plain_src, dtype=self.dtype)
+        return load_plain_model(self.plain_src, dtype=self.dtype, device=self.device)
 
     @cached_property
     def obf_model(self):
-        from transformers import AutoModelForCausalLM
+        from ..runtime.inference import load_obfuscated_model
 
-        return AutoModelForCausalLM.from_pretrained(str(self.obfuscated_dir), dtype=self.dtype).eval()
+        return load_obfuscated_model(self.obfuscated_dir, dtype=self.dtype, device=self.device)
 
     @cached_property
     def tokenizer(self):
@@ -110,25 +129,31 @@ AttackFn = Callable[[AttackTarget, PrivateData, Budget, int], AttackResult]
 REGISTRY: dict[str, AttackFn] = {}
 
 
-def register(name: str) -> Callable[[AttackFn], AttackFn]:
-    """Register ``fn(target, data, budget, seed) -> AttackResult`` under ``name`` (wall time is filled in)."""
+def register(name: str, on_device: bool = False) -> Callable[[AttackFn], AttackFn]:
+    """Register ``fn(target, data, budget, seed) -> AttackResult`` under ``name`` (wall time is filled in).
+    ``on_device``: the attack computes on ``target.device``; otherwise it is handed the CPU copy of a target on
+    another device. The device it ran on is recorded in ``AttackResult.budget['device']``."""
 
     def deco(fn: AttackFn) -> AttackFn:
         def timed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
             t0 = time.perf_counter()
             torch.set_num_threads(max(1, budget.threads))
-            res = fn(target, data, budget, seed)
+            where = target if on_device else target.on("cpu")
+            res = fn(where, data, budget, seed)
+            res.budget.setdefault("device", str(where.device))
             res.seconds = time.perf_counter() - t0
             return res
 
         timed.__doc__, timed.__name__ = fn.__doc__, fn.__name__
+        timed.on_device = on_device  # type: ignore[attr-defined]
         REGISTRY[name] = timed
         return timed
 
     return deco
 
 
-def register_variant(name: str, run: Callable[..., AttackResult], doc: str, **fixed: Any) -> AttackFn:
+def register_variant(name: str, run: Callable[..., AttackResult], doc: str, *, on_device: bool = False,
+                     **fixed: Any) -> AttackFn:
     """Register ``run(target, data, budget, seed, **fixed)`` under ``name``: one attack driver, several named
     settings (e.g. with and without the oracle)."""
 
@@ -136,7 +161,7 @@ def register_variant(name: str, run: Callable[..., AttackResult], doc: str, **fi
         return run(target, data, budget, seed, **fixed)
 
     variant.__doc__, variant.__name__ = doc, name.replace("-", "_")
-    return register(name)(variant)
+    return register(name, on_device)(variant)
 
 
 # --- scoring -------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..storage.devices import model_device
 from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_mapping
 
 Tensor = torch.Tensor
@@ -186,7 +187,8 @@ def public_text_ids(tokenizer, max_tokens: int = 200_000) -> np.ndarray:
 @torch.no_grad()
 def standardised_logits(model, seqs: Tensor, batch: int) -> Tensor:
     """Logits at every position of every sequence, each row centred and scaled over the vocabulary (removes
-    the log-normaliser and the temperature). (n_seqs * length, vocab) float32."""
+    the log-normaliser and the temperature). (n_seqs * length, vocab) float32 on the model's device."""
+    seqs = seqs.to(model_device(model))
     rows = []
     for s in range(0, seqs.shape[0], batch):
         z = model(input_ids=seqs[s:s + batch], use_cache=False).logits.float()
@@ -237,7 +239,9 @@ def match_profiles(plain_prof: Tensor, obf_prof: Tensor, pairs: Pairs, rank: int
     directions of the plaintext matrix (estimated on a column sample), then each unknown obfuscated id is
     matched against every plaintext token not already paired."""
     n_ctx, v = plain_prof.shape
-    cols = torch.from_numpy(np.sort(rng.choice(v, size=min(basis_columns, v), replace=False)))
+    dev = plain_prof.device
+    cols = torch.from_numpy(np.sort(rng.choice(v, size=min(basis_columns, v), replace=False))).to(dev)
+    # float64 for the basis only: one (contexts x contexts) Gram matrix and its eigendecomposition
     sub = plain_prof[:, cols].double()
     evals, evecs = torch.linalg.eigh(sub @ sub.T)
     r = max(1, min(rank, n_ctx, v))
@@ -246,20 +250,20 @@ def match_profiles(plain_prof: Tensor, obf_prof: Tensor, pairs: Pairs, rank: int
     b = basis.T @ obf_prof
     a = a / a.norm(dim=0, keepdim=True).clamp_min(1e-12)
     b = b / b.norm(dim=0, keepdim=True).clamp_min(1e-12)
-    free_plain = torch.from_numpy(pairs.plain_to_obf < 0)
+    free_plain = torch.from_numpy(pairs.plain_to_obf < 0).to(dev)
     queries = np.flatnonzero(pairs.obf_to_plain < 0)
     k = min(k, int(free_plain.sum()))
     topk = np.full((v, max(k, 1)), -1, dtype=np.int64)
     topk_score = np.full((v, max(k, 1)), -np.inf, dtype=np.float32)
-    col_best = torch.full((v,), -float("inf"))
-    col_arg = torch.full((v,), -1, dtype=torch.long)
+    col_best = torch.full((v,), -float("inf"), device=dev)
+    col_arg = torch.full((v,), -1, dtype=torch.long, device=dev)
     for s in range(0, len(queries), chunk):
-        q = torch.from_numpy(queries[s:s + chunk])
+        q = torch.from_numpy(queries[s:s + chunk]).to(dev)
         sim = b[:, q].T @ a  # (chunk, vocab)
         sim[:, ~free_plain] = -float("inf")
         val, idx = sim.topk(k, dim=1)
-        topk[queries[s:s + chunk]] = idx.numpy()
-        topk_score[queries[s:s + chunk]] = val.numpy()
+        topk[queries[s:s + chunk]] = idx.cpu().numpy()
+        topk_score[queries[s:s + chunk]] = val.cpu().numpy()
         cmax, carg = sim.max(dim=0)
         better = cmax > col_best
         col_best[better] = cmax[better]
@@ -267,7 +271,7 @@ def match_profiles(plain_prof: Tensor, obf_prof: Tensor, pairs: Pairs, rank: int
     best = topk[:, 0].copy()
     mutual = np.zeros(v, dtype=bool)
     qb = best[queries]
-    mutual[queries] = (qb >= 0) & (col_arg.numpy()[np.maximum(qb, 0)] == queries)
+    mutual[queries] = (qb >= 0) & (col_arg.cpu().numpy()[np.maximum(qb, 0)] == queries)
     margin = np.zeros(v, dtype=np.float32)
     if k > 1:
         margin[queries] = topk_score[queries, 0] - topk_score[queries, 1]
@@ -276,17 +280,37 @@ def match_profiles(plain_prof: Tensor, obf_prof: Tensor, pairs: Pairs, rank: int
 
 @torch.no_grad()
 def greedy_alignment(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor, steps: int,
-                     min_margin: float = 1.0, max_prob_gap: float = 0.1) -> list[tuple[int, int]]:
+                     min_margin: float = 1.0, max_prob_gap: float = 0.1, batch: int | None = None
+                     ) -> list[tuple[int, int]]:
     """Decode both models greedily from the same known prompts (``starts_plain``, all tokens known). At each
     step the two argmaxes are a pair when both models are confident (log-prob margin over the runner-up >=
     ``min_margin``) and agree on how confident (top-1 probabilities within ``max_prob_gap``); the plaintext
     choice is appended to both streams (through the pairs, or the new pair), so the prefixes stay aligned. A
-    sequence stops at a step that yields no trustworthy pair for an unknown token."""
+    sequence stops at a step that yields no trustworthy pair for an unknown token. ``batch`` sequences are
+    decoded together (None: all); the sequences do not interact, so the pairs do not depend on it."""
     found: dict[tuple[int, int], int] = {}
-    p_ids, o_ids = starts_plain, torch.from_numpy(pairs.plain_to_obf[starts_plain.numpy()])
-    alive = torch.ones(p_ids.shape[0], dtype=torch.bool)
+    n = starts_plain.shape[0]
+    for s in range(0, n, batch or max(n, 1)):
+        _greedy_chunk(plain_model, obf_model, pairs, starts_plain[s:s + (batch or n)], steps, min_margin,
+                      max_prob_gap, found)
+    # a pair is kept when neither of its ids was paired differently elsewhere
+    by_o: dict[int, set] = {}
+    by_t: dict[int, set] = {}
+    for (o, t) in found:
+        by_o.setdefault(o, set()).add(t)
+        by_t.setdefault(t, set()).add(o)
+    return sorted((o, t) for (o, t) in found if len(by_o[o]) == 1 and len(by_t[t]) == 1)
+
+
+def _greedy_chunk(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor, steps: int, min_margin: float,
+                  max_prob_gap: float, found: dict[tuple[int, int], int]) -> None:
+    """``greedy_alignment`` on one batch of sequences, adding its candidate pairs to ``found``. The models run on
+    their device; the per-step decisions read three small vectors back (one transfer per step, not per token)."""
+    dev = model_device(plain_model)
+    p_in = starts_plain.to(dev)
+    o_in = torch.from_numpy(pairs.plain_to_obf[starts_plain.numpy()]).to(dev)
+    alive = [True] * starts_plain.shape[0]
     p_past = o_past = None
-    p_in, o_in = p_ids, o_ids
     for _ in range(steps):
         po = plain_model(input_ids=p_in, past_key_values=p_past, use_cache=True)
         oo = obf_model(input_ids=o_in, past_key_values=o_past, use_cache=True)
@@ -297,29 +321,22 @@ def greedy_alignment(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor,
         confident = ((lp.values[:, 0] - lp.values[:, 1]) >= min_margin) & \
                     ((lo.values[:, 0] - lo.values[:, 1]) >= min_margin) & \
                     ((lp.values[:, 0].exp() - lo.values[:, 0].exp()).abs() <= max_prob_gap)
-        next_o = o.clone()
-        for i in range(len(t)):
+        t_list, o_list, conf_list = t.tolist(), o.tolist(), confident.tolist()
+        next_o = list(o_list)
+        for i, (ti, oi) in enumerate(zip(t_list, o_list)):
             if not alive[i]:
                 continue
-            ti, oi = int(t[i]), int(o[i])
             known_o = int(pairs.plain_to_obf[ti])
             if known_o >= 0:
                 next_o[i] = known_o  # the plaintext choice, written in the obfuscated vocabulary
-            elif confident[i] and pairs.obf_to_plain[oi] < 0:
+            elif conf_list[i] and pairs.obf_to_plain[oi] < 0:
                 found[(oi, ti)] = found.get((oi, ti), 0) + 1
                 next_o[i] = oi
             else:
                 alive[i] = False
-        if not alive.any():
+        if not any(alive):
             break
-        p_in, o_in = t[:, None], next_o[:, None]
-    # a pair is kept when neither of its ids was paired differently elsewhere
-    by_o: dict[int, set] = {}
-    by_t: dict[int, set] = {}
-    for (o, t) in found:
-        by_o.setdefault(o, set()).add(t)
-        by_t.setdefault(t, set()).add(o)
-    return [(o, t) for (o, t) in found if len(by_o[o]) == 1 and len(by_t[t]) == 1]
+        p_in, o_in = t[:, None], torch.tensor(next_o, device=dev)[:, None]
 
 
 @torch.no_grad()
@@ -329,12 +346,15 @@ def input_side_rerank(plain_model, obf_model, pairs: Pairs, ids: np.ndarray, can
     (``contexts``, plain ids, all known) and the next-token log-probs over the known vocabulary are compared
     (correlation) between the obfuscated model (the id) and the plaintext model (each candidate). The new choice
     maximises output-profile + input-side correlation. Returns the chosen plaintext id per ``ids``."""
+    dev = model_device(plain_model)
     known_obf = pairs.known_obf
-    known_plain = torch.from_numpy(pairs.obf_to_plain[known_obf])
-    known_obf_t = torch.from_numpy(known_obf)
-    ctx_o = torch.from_numpy(pairs.plain_to_obf[contexts.numpy()])
+    known_plain = torch.from_numpy(pairs.obf_to_plain[known_obf]).to(dev)
+    known_obf_t = torch.from_numpy(known_obf).to(dev)
+    ctx_o = torch.from_numpy(pairs.plain_to_obf[contexts.numpy()]).to(dev)
+    contexts = contexts.to(dev)
 
     def feats(model, ctx: Tensor, tokens: Tensor, cols: Tensor) -> Tensor:
+        tokens = tokens.to(dev)
         out = []
         for c in range(ctx.shape[0]):
             rows = []
@@ -351,7 +371,7 @@ def input_side_rerank(plain_model, obf_model, pairs: Pairs, ids: np.ndarray, can
     k = candidates.shape[1]
     f_plain = feats(plain_model, contexts, torch.from_numpy(candidates.reshape(-1)), known_plain)
     f_plain = f_plain.reshape(len(ids), k, -1)
-    inp = (f_plain * f_obf[:, None, :]).sum(-1).numpy()
+    inp = (f_plain * f_obf[:, None, :]).sum(-1).cpu().numpy()
     total = inp + out_scores
     return candidates[np.arange(len(ids)), total.argmax(axis=1)]
 
@@ -395,7 +415,8 @@ def behavioural_mapping(plain_model, obf_model, pairs: Pairs, cfg: dict[str, Any
         known_plain = np.flatnonzero(pairs.plain_to_obf >= 0)
         starts = np.stack([np.concatenate([np.asarray(pre, dtype=np.int64), rng.choice(known_plain, size=3),
                                            np.asarray(post, dtype=np.int64)]) for _ in range(cfg["gen_seqs"])])
-        got = greedy_alignment(plain_model, obf_model, pairs, torch.from_numpy(starts), cfg["gen_steps"])
+        got = greedy_alignment(plain_model, obf_model, pairs, torch.from_numpy(starts), cfg["gen_steps"],
+                               batch=cfg.get("gen_batch"))
         pairs.add_many([o for o, _ in got], [t for _, t in got], "generation")
         note("generation alignment", harvested=len(got))
     # 3. output-profile rounds
@@ -443,7 +464,8 @@ def behavioural_mapping(plain_model, obf_model, pairs: Pairs, cfg: dict[str, Any
             ctx_plain, _ = random_contexts(pairs, cfg["rerank_contexts"], len(prefix) + 1, rng, text_ids, prefix)
             k = cfg["rerank_k"]
             chosen = input_side_rerank(plain_model, obf_model, pairs, unsure, matches.topk[unsure, :k],
-                                       matches.topk_score[unsure, :k], ctx_plain, cfg["batch"] * 8)
+                                       matches.topk_score[unsure, :k], ctx_plain,
+                                       cfg.get("rerank_batch") or cfg["batch"] * 8)
             before = mapping[unsure].copy()
             mapping[unsure] = chosen
             extra = {}
@@ -480,6 +502,8 @@ def run_behavioural(target: AttackTarget, data: PrivateData, budget: Budget, see
                     config: dict | None = None, log: Callable[[str], None] | None = None,
                     name: str = "behavioural") -> tuple[AttackResult, BehaviouralOutcome]:
     cfg = {**BEHAVIOURAL_BUDGETS.get(budget.name, BEHAVIOURAL_BUDGETS["full"]), **(config or {})}
+    if budget.batch is not None:  # one probe batch for every stage (the stages' own defaults differ)
+        cfg.update(batch=budget.batch, gen_batch=budget.batch, rerank_batch=budget.batch)
     plain, obf = target.plain_model, target.obf_model
     v = int(plain.config.vocab_size)
     if int(obf.config.vocab_size) != v:
@@ -512,7 +536,7 @@ def run_behavioural(target: AttackTarget, data: PrivateData, budget: Budget, see
         budget={"budget": budget.name, "candidate_pool": v, "candidate_pool_is_full_vocabulary": True,
                 **{k: (list(x) if isinstance(x, tuple) else x) for k, x in cfg.items()},
                 "anchors": {k: x for k, x in info.items() if k != "template"}, **out.info,
-                "threads": torch.get_num_threads()},
+                "threads": torch.get_num_threads(), "device": str(target.device)},
         uses="public plaintext model + tokenizer/chat template + public text (stdlib sources); the obfuscated model "
              "run as a black box (logits) and its published config special ids; the observed requests' template "
              "positions; no key, no weights compared" + (f"; plus {extra_source} pairs" if extra_source else ""))
@@ -536,7 +560,7 @@ def vma_confident_pairs(target: AttackTarget, vma_budget: str, seed: int, sample
     q = np.sort(np.random.default_rng(seed + 1).choice(v, size=min(sample, v), replace=False))
     sp, so = vma_sources(plain, prods, layers, qk), vma_sources(obf, prods, layers, qk)
     cand = [signatures(s, None, cfg["sketch"]) for s in sp]
-    qry = [signatures(s, torch.from_numpy(q), cfg["sketch"]) for s in so]
+    qry = [signatures(s, torch.from_numpy(q), cfg["sketch"]) for s in so]  # rows follow the weights' device
     fused, per_source, _, keep = vote_match(qry, cand)
     unanimous = (per_source[keep] == fused[None, :]).all(axis=0) if len(keep) > 1 else np.ones(len(q), bool)
     vals, counts = np.unique(fused[unanimous], return_counts=True)
@@ -598,13 +622,13 @@ def run_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: 
     return res
 
 
-@register("behavioural")
+@register("behavioural", on_device=True)
 def behavioural(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """Run both models: template/special-id anchors -> greedy alignment -> output-profile matching -> input-side."""
     return run_behavioural(target, data, budget, seed)[0]
 
 
-@register("behavioural-composed")
+@register("behavioural-composed", on_device=True)
 def behavioural_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """VMA's unanimous pairs as extra anchors -> behavioural -> ridge map on the behavioural pairs."""
     return run_composed(target, data, budget, seed)

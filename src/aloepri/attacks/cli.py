@@ -27,6 +27,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
 
     from . import UNAVAILABLE
     from .base import AttackTarget, Budget
+    from ..storage.devices import describe_device
     from .report import resolve_names, run_ablation, run_attacks, write_ablation, write_report
 
     torch.set_num_threads(max(1, args.threads))
@@ -35,17 +36,22 @@ def cmd_attack(args: argparse.Namespace) -> int:
     names = resolve_names(args.name)
     budget = Budget.named(args.budget)
     budget.threads = max(1, args.threads)
+    if args.batch is not None:
+        if args.batch < 1:
+            raise ValueError(f"--batch must be a positive number of sequences, got {args.batch}")
+        budget.batch = args.batch
     out = Path(args.report_dir)
-    target = AttackTarget(args.plain, args.obfuscated, args.key)
+    target = AttackTarget(args.plain, args.obfuscated, args.key, device=args.device)
     context: dict[str, Any] = {"plain": str(args.plain), "obfuscated": str(args.obfuscated), "budget": args.budget,
-                               "prompts": args.prompts, "seed": args.seed, "attacks": names}
+                               "prompts": args.prompts, "seed": args.seed, "attacks": names,
+                               "device": describe_device(target.device), "batch": args.batch}
     if args.ablation:
         from ..obfuscation.params import ObfuscationParams, resolve_params
 
         base = resolve_params(args.ablation_preset) if args.ablation_preset else \
             ObfuscationParams.from_dict(target.key.params)
         rows = run_ablation(args.plain, base, out / "ablation-models", lambda t: private_data(t.tokenizer, args.prompts,
-                            args.seed), names, budget, args.seed)
+                            args.seed), names, budget, args.seed, device=target.device)
         j, m = write_ablation(rows, out, {**context, "base_params": base.to_dict()})
     else:
         data = private_data(target.tokenizer, args.prompts, args.seed)
@@ -72,6 +78,8 @@ def attack_listing() -> str:
 
 def add_attack_commands(sub: Any) -> None:
     """Add ``attack`` to the ``aloepri`` subcommands."""
+    from ..storage.devices import add_device_option
+
     p = sub.add_parser("attack", help="run privacy attacks (VMA, IA, NN, ISA, IMA, TFMA, SDA, behavioural, ...) on an "
                                       "obfuscated model and write a JSON + Markdown report")
     p.add_argument("name", help="attack name, comma-separated names, or 'all' (every attack is listed below)")
@@ -85,6 +93,10 @@ def add_attack_commands(sub: Any) -> None:
     p.add_argument("--prompts", type=int, default=50, help="number of private PII prompts (default 50)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_device_option(p)
+    p.add_argument("--batch", type=int, default=None,
+                   help="probe sequences per forward pass for the attacks that run both models on many inputs "
+                        "(behavioural); default: each stage's own (16 for output profiles); raise it on a GPU")
     p.add_argument("--report-dir", default="attack-report", help="where the JSON and Markdown go")
     p.add_argument("--ablation", action="store_true",
                    help="reproduce the paper's ablation table: obfuscate --plain three times (Noise / +KeyMat / "

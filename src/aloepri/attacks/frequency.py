@@ -153,7 +153,7 @@ def row_spaces(target: AttackTarget, use: Sequence[str] = ("embed", "head")) -> 
 
     def rows(model, which: str) -> np.ndarray:
         m = model.get_input_embeddings() if which == "embed" else model.get_output_embeddings()
-        return m.weight.detach().to(torch.float32).numpy()
+        return m.weight.detach().to(device="cpu", dtype=torch.float32).numpy()  # the ridge maps run in numpy
 
     bad = set(use) - {"embed", "head"}
     if bad or not use:

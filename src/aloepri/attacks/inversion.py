@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..storage.devices import model_device
 from .base import (AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, register_variant,
                    score_predictions)
 
@@ -240,10 +241,12 @@ def _relax_and_refine(plain_model, n: int, batch_loss: Callable[[torch.Tensor], 
     if candidates is not None:
         return _search(emb, candidates, batch_loss, cfg, prefix_loss, refine_loss, relaxed_loss=float("nan"))
     if cfg.relax == "softmax":
-        param = (0.01 * torch.randn(n, vocab, generator=gen)).requires_grad_(True)
+        # drawn on the CPU generator, then moved: the same start on every device
+        param = (0.01 * torch.randn(n, vocab, generator=gen)).to(emb.device).requires_grad_(True)
         embed = lambda: torch.softmax(param, dim=-1) @ emb  # noqa: E731
     else:
-        param = (emb.mean(0) + emb.std(0) * torch.randn(n, emb.shape[1], generator=gen)).requires_grad_(True)
+        noise = torch.randn(n, emb.shape[1], generator=gen).to(emb.device)
+        param = (emb.mean(0) + emb.std(0) * noise).requires_grad_(True)
         embed = (lambda: param) if cfg.relax == "embedding" else (lambda: _straight_through(param, emb, unit))
     unit = F.normalize(emb, dim=-1)
     opt = torch.optim.Adam([param], lr=cfg.lr)
@@ -299,10 +302,11 @@ def state_codebook(model, layer: int, anchor_id: int, batch: int = 1024) -> list
     candidate list (measured on SmolLM2-135M, 4 Faker prompts x 32 tokens, unprotected: the true token is among
     the 16 nearest for 100% of positions at layer 1, 91% at layer 2)."""
     vocab = _inner(model).embed_tokens.weight.shape[0]
+    dev = _inner(model).embed_tokens.weight.device
     alone, after = [], []
     with torch.no_grad():
         for i in range(0, vocab, batch):
-            ids = torch.arange(i, min(i + batch, vocab))
+            ids = torch.arange(i, min(i + batch, vocab), device=dev)
             alone.append(layer_states(model, layer, input_ids=ids.unsqueeze(1))[:, 0].float())
             pair = torch.stack([torch.full_like(ids, anchor_id), ids], 1)
             after.append(layer_states(model, layer, input_ids=pair)[:, 1].float())
@@ -547,8 +551,9 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
     plain = target.plain_model
     predicted, losses, matches, proposals = [], [], [], []
     codebook = None
+    dev = model_device(target.obf_model)
     for i in idx:
-        obs_ids = torch.tensor([observed[i][: cfg.max_len]])
+        obs_ids = torch.tensor([observed[i][: cfg.max_len]], device=dev)
         with torch.no_grad():
             h_obs = layer_states(target.obf_model, cfg.layer, input_ids=obs_ids)[0].float()
             if state_map is not None:
@@ -658,10 +663,11 @@ def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cf
     if len(anchors) < 2:
         raise ValueError(f"only {len(anchors)} anchor pair(s): the anchor map needs a chat template or published "
                          "special ids")
-    obf_ids = torch.tensor([o for o, _ in anchors])
-    plain_ids = torch.tensor([p for _, p in anchors])
+    dev = model_device(plain_model)
+    obf_ids = torch.tensor([o for o, _ in anchors], device=dev)
+    plain_ids = torch.tensor([p for _, p in anchors], device=dev)
     rng = np.random.default_rng(seed)
-    pick = torch.as_tensor(rng.integers(0, len(anchors), size=(cfg.contexts, cfg.context_len)))
+    pick = torch.as_tensor(rng.integers(0, len(anchors), size=(cfg.contexts, cfg.context_len))).to(dev)
     gram = rhs = None
     rows = 0
     for i in range(0, cfg.contexts, cfg.batch):
@@ -674,7 +680,7 @@ def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cf
             rhs = x.T @ y if rhs is None else rhs + x.T @ y
             rows += x.shape[0]
     reg = cfg.ridge * gram.diagonal().mean()
-    W = torch.linalg.solve(gram + reg * torch.eye(gram.shape[0], dtype=gram.dtype), rhs)
+    W = torch.linalg.solve(gram + reg * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), rhs)
     eig = torch.linalg.eigvalsh(gram)
     info = {"anchor_pairs": len(anchors), "fit_rows": rows, "contexts": cfg.contexts, "context_len": cfg.context_len,
             "ridge": cfg.ridge, "obf_width": int(gram.shape[0]), "plain_width": int(rhs.shape[1]),
@@ -706,17 +712,19 @@ def isa_anchor_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
     observed = data.observed(target)
     idx = _prompts(data, observed, cfg)
     errs = []
+    dev = model_device(target.obf_model)
     with torch.no_grad():
         for i in idx:
-            ho = layer_states(target.obf_model, cfg.layer, input_ids=torch.tensor([observed[i][: cfg.max_len]]))[0]
+            ho = layer_states(target.obf_model, cfg.layer,
+                              input_ids=torch.tensor([observed[i][: cfg.max_len]], device=dev))[0]
             hp = layer_states(target.plain_model, cfg.layer,
-                              input_ids=torch.tensor([data.plain_ids[i][: cfg.max_len]]))[0].double()
+                              input_ids=torch.tensor([data.plain_ids[i][: cfg.max_len]], device=dev))[0].double()
             errs.append(float(((to_plain(ho).double() - hp).norm(dim=-1) / hp.norm(dim=-1).clamp_min(1e-12)).mean()))
         plain_emb = F.normalize(_inner(target.plain_model).embed_tokens.weight.double(), dim=-1)
         obf_emb = _inner(target.obf_model).embed_tokens.weight.double()
         # 1024 rows at a time: a (rows x vocabulary) float64 block is 0.4 GB on a 49k vocabulary (1.2 GB on 150k)
         guess = torch.cat([(F.normalize(obf_emb[i:i + 1024] @ W, dim=-1) @ plain_emb.T).argmax(-1)
-                           for i in range(0, obf_emb.shape[0], 1024)])
+                           for i in range(0, obf_emb.shape[0], 1024)]).cpu()
     truth = torch.as_tensor(np.argsort(target.true_permutation()))  # obfuscated id -> plaintext id
     metrics = {**res.metrics, "map_relative_error_on_victim_states": float(np.mean(errs)),
                "vocab_recovery_from_mapped_embedding": float((guess == truth).double().mean())}
@@ -984,13 +992,13 @@ def _ima(target: AttackTarget, data: PrivateData, budget: Budget, seed: int, ora
                  if oracle else "")))
 
 
-@register("isa_hidden")
+@register("isa_hidden", on_device=True)
 def isa_hidden(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """ISA on hidden states: invert key-invariant statistics of the residual stream at a shallow layer."""
     return isa_hidden_attack(target, data, budget, seed)
 
 
-@register("isa_anchor")
+@register("isa_anchor", on_device=True)
 def isa_anchor(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """ISA on hidden states through a linear map fitted on free anchor pairs (template, special ids)."""
     return isa_anchor_attack(target, data, budget, seed)

@@ -141,8 +141,9 @@ class AblationRow:
 
 def run_ablation(plain_src: str | Path, base_params, work_dir: str | Path, data_fn: Callable[[Any], PrivateData],
                  names: Sequence[str] | str, budget: Budget | str, seed: int = 0,
-                 log: Callable[[str], None] | None = print) -> list[AblationRow]:
-    """Obfuscate ``plain_src`` once per ablation row (into work_dir/<row>) and run the attacks on each."""
+                 log: Callable[[str], None] | None = print, device: Any = None) -> list[AblationRow]:
+    """Obfuscate ``plain_src`` once per ablation row (into work_dir/<row>) and run the attacks on each (models on
+    ``device``, default cpu)."""
     from ..obfuscation.pipeline import obfuscate
 
     rows = []
@@ -153,7 +154,7 @@ def run_ablation(plain_src: str | Path, base_params, work_dir: str | Path, data_
                 log(f"ablation: obfuscating row '{row}'")
             obfuscate(plain_src, d / "model", d / "key.json", params, seed=seed,
                       allow_weak_seed=True, overwrite=True, progress=False)
-        target = AttackTarget(plain_src, d / "model", d / "key.json")
+        target = AttackTarget(plain_src, d / "model", d / "key.json", device=device)
         rows.append(AblationRow(row, params.to_dict(), run_attacks(target, data_fn(target), names, budget, seed, log)))
     return rows
 

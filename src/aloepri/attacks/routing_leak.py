@@ -37,6 +37,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from ..obfuscation.routing import expert_orders, router_module_names, routing_decisions
+from ..storage.devices import model_device
 from .base import AttackResult, AttackTarget, Budget, PrivateData, register_variant, score_predictions
 
 Routing = dict[int, np.ndarray]  # {MoE layer: (tokens, top_k) expert numbers}
@@ -54,7 +55,7 @@ def observe_routing(obf_model: Any, obf_id_seqs: Sequence[Sequence[int]]) -> lis
     for ids in obf_id_seqs:
         if len(ids) == 0:
             raise ValueError("empty prompt: nothing to observe")
-        dec = routing_decisions(obf_model, torch.tensor([list(ids)], dtype=torch.long))
+        dec = routing_decisions(obf_model, torch.tensor([list(ids)], dtype=torch.long, device=model_device(obf_model)))
         out.append({layer: d.numpy() for layer, d in dec.items()})
     return out
 
@@ -67,13 +68,14 @@ def candidate_routing(model: Any, prefix: Sequence[int], candidates: np.ndarray,
     names = router_module_names(model)
     modules = dict(model.named_modules())
     j, n = len(prefix), len(prefix) + 1 + len(suffix)
+    dev = model_device(model)
     sets: dict[int, list[torch.Tensor]] = {layer: [] for layer in names}
     logps: dict[int, list[torch.Tensor]] = {layer: [] for layer in names}
     for s in range(0, len(candidates), batch):
-        cand = torch.as_tensor(candidates[s:s + batch], dtype=torch.long)
+        cand = torch.as_tensor(candidates[s:s + batch], dtype=torch.long, device=dev)
         b = len(cand)
-        ids = torch.cat([torch.tensor(list(prefix), dtype=torch.long).expand(b, -1), cand[:, None],
-                         torch.tensor(list(suffix), dtype=torch.long).expand(b, -1)], dim=1)
+        ids = torch.cat([torch.tensor(list(prefix), dtype=torch.long, device=dev).expand(b, -1), cand[:, None],
+                         torch.tensor(list(suffix), dtype=torch.long, device=dev).expand(b, -1)], dim=1)
         hooks = []
         for layer, name in names.items():
             def hook(_mod, _inp, out, layer=layer, b=b):
@@ -87,8 +89,8 @@ def candidate_routing(model: Any, prefix: Sequence[int], candidates: np.ndarray,
         finally:
             for h in hooks:
                 h.remove()
-    return ({layer: torch.cat(v).numpy() for layer, v in sets.items()},
-            {layer: torch.cat(v).numpy() for layer, v in logps.items()})
+    return ({layer: torch.cat(v).cpu().numpy() for layer, v in sets.items()},
+            {layer: torch.cat(v).cpu().numpy() for layer, v in logps.items()})
 
 
 # --- relabelling ---------------------------------------------------------------------------------------------------
@@ -180,7 +182,8 @@ def decode_routing_leak(plain_model: Any, obf_id_seqs: Sequence[Sequence[int]], 
     # plaintext routing of the known prefix: identical in every prompt, computed once
     prefix_plain: Routing = {}
     if m:
-        dec = routing_decisions(plain_model, torch.tensor([list(known_prefix)], dtype=torch.long))
+        dec = routing_decisions(plain_model, torch.tensor([list(known_prefix)], dtype=torch.long,
+                                                          device=model_device(plain_model)))
         prefix_plain = {L: d.numpy() for L, d in dec.items()}
 
     learn = relabelling is None
@@ -341,7 +344,9 @@ def run_routing_leak(target: AttackTarget, data: PrivateData, budget: Budget, se
 
 routing_leak = register_variant(
     "routing_leak", run_routing_leak,
-    "MoE routing leak: tokens from observed expert choices, expert relabelling learned (no key).", oracle=False)
+    "MoE routing leak: tokens from observed expert choices, expert relabelling learned (no key).", on_device=True,
+    oracle=False)
 routing_leak_oracle = register_variant(
     "routing_leak_oracle", run_routing_leak,
-    "MoE routing leak with the true expert relabelling from the key (oracle upper bound).", oracle=True)
+    "MoE routing leak with the true expert relabelling from the key (oracle upper bound).", on_device=True,
+    oracle=True)

@@ -124,12 +124,14 @@ def _column_scale(src: Source) -> Tensor:
         return ((gram @ r) * r).sum(0).clamp_min(1e-30).rsqrt().float()  # 1 / column norms
     fro2 = float(((gram @ r) * r).sum())
     rms = (fro2 / (src.left.shape[0] * src.right.shape[1])) ** 0.5
-    return torch.full((src.right.shape[1],), 1.0 / max(rms, 1e-30))
+    return torch.full((src.right.shape[1],), 1.0 / max(rms, 1e-30), device=src.right.device)
 
 
 def gram(m: Tensor, chunk: int = 8192) -> Tensor:
-    """m^T m in float64, chunk by chunk (no float64 copy of m)."""
-    out = torch.zeros(m.shape[1], m.shape[1], dtype=torch.float64)
+    """m^T m in float64, chunk by chunk (no float64 copy of m), on m's device. float64 because the column scales
+    come from it as differences of large sums; it is one (width x width) product per model, cheap even on a GPU
+    with slow float64."""
+    out = torch.zeros(m.shape[1], m.shape[1], dtype=torch.float64, device=m.device)
     for s in range(0, m.shape[0], chunk):
         c = m[s:s + chunk].double()
         out += c.T @ c
@@ -145,12 +147,14 @@ def sketch_positions(m: int, k: int) -> Tensor:
 
 def signatures(src: Source, rows: Tensor | None, sketch: int, chunk: int = 1024) -> Tensor:
     """Row-sorted, normalised rows of Y = left @ right (all rows, or ``rows``), compressed to ``sketch`` columns.
-    Scaled by sqrt(m / k) so distances do not depend on the sketch size."""
+    Scaled by sqrt(m / k) so distances do not depend on the sketch size. Computed and returned on the weights'
+    device."""
+    dev = src.left.device
     scale = _column_scale(src)
     right = src.right * scale[None, :]
-    idx = torch.arange(src.left.shape[0]) if rows is None else rows
-    pos = sketch_positions(right.shape[1], sketch)
-    out = torch.empty(len(idx), len(pos))
+    idx = torch.arange(src.left.shape[0], device=dev) if rows is None else rows.to(dev)
+    pos = sketch_positions(right.shape[1], sketch).to(dev)
+    out = torch.empty(len(idx), len(pos), device=dev)
     for s in range(0, len(idx), chunk):
         y = src.left[idx[s:s + chunk]] @ right
         out[s:s + chunk] = torch.sort(y, dim=1).values[:, pos]
@@ -192,7 +196,7 @@ def _nearest(query_sigs: list[Tensor], cand_sigs: list[Tensor], chunk: int) -> n
     out = np.empty((len(query_sigs), q), dtype=np.int64)
     for s in range(0, q, chunk):
         for j, (qs, cs) in enumerate(zip(query_sigs, cand_sigs)):
-            out[j, s:s + chunk] = torch.cdist(qs[s:s + chunk], cs).argmin(dim=1).numpy()
+            out[j, s:s + chunk] = torch.cdist(qs[s:s + chunk], cs).argmin(dim=1).cpu().numpy()
     return out
 
 
@@ -229,7 +233,8 @@ def vote_match(query_sigs: list[Tensor], cand_sigs: list[Tensor], chunk: int = 2
         for j in keep:
             d = torch.cdist(query_sigs[j][s:s + chunk], cand_sigs[j]).square_()
             total = d if total is None else total.add_(d)
-        summed[s:s + chunk] = total.argmin(dim=1).numpy()
+        summed[s:s + chunk] = total.argmin(dim=1).cpu().numpy()
+        total = total.cpu()  # the tie-breaks below read single entries: one transfer per chunk, not per query
         for r in range(total.shape[0]):
             cands, counts = np.unique(per_source[keep, s + r], return_counts=True)
             best = cands[counts == counts.max()]
@@ -254,7 +259,7 @@ def match_features(target: AttackTarget, data: PrivateData, plain_feats: Tensor,
         raise ValueError(f"feature shapes differ: plain {tuple(plain_feats.shape)}, obfuscated "
                          f"{tuple(obf_feats.shape)} (different architecture or head layout)")
     queries, sampled = query_ids(data.observed(target), n, sample, seed)
-    fused, _, _, _ = vote_match([obf_feats[torch.from_numpy(queries)]], [plain_feats])
+    fused, _, _, _ = vote_match([obf_feats[torch.from_numpy(queries).to(obf_feats.device)]], [plain_feats])
     mapping = np.full(n, -1, dtype=np.int64)
     mapping[queries] = fused
     scores = score_mapping(target, data, mapping, text_metrics=has_tokenizer(target))
@@ -296,7 +301,7 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
     prods = tuple(p for p in products if p != "embed.head" or cfg["embed_head"])
     observed = data.observed(target)
     queries, sampled = query_ids(observed, n, cfg["vocab_sample"], seed)
-    q_t = torch.from_numpy(queries)
+    q_t = torch.from_numpy(queries).to(embed_matrix(obf).device)
     srcs_p = vma_sources(plain, prods, layers, qk_layers)
     srcs_o = vma_sources(obf, prods, layers, qk_layers)
     if [(s.name, s.layer) for s in srcs_p] != [(s.name, s.layer) for s in srcs_o]:
@@ -327,12 +332,12 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
         budget={"budget": budget.name, "candidate_pool": n, "candidate_pool_is_full_vocabulary": True,
                 "sources": names, "sources_voting": [names[j] for j in keep],
                 "sketch_order_statistics": cfg["sketch"], "vocab_sample": int(len(sampled)),
-                "queries": int(len(queries))},
+                "queries": int(len(queries)), "device": str(target.device)},
         uses="public plaintext weights + obfuscated weights (embedding, head, q/k, gate/up/down, router); no key, "
              "no pairs")
 
 
-@register("vma")
+@register("vma", on_device=True)
 def vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """Vocabulary matching on every weight combination of the paper's Table (row sort + full-vocabulary NN + vote)."""
     return run_vma(target, data, budget, seed)

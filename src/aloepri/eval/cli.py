@@ -11,14 +11,16 @@ from pathlib import Path
 def cmd_eval_humaneval(a: argparse.Namespace) -> int:
     import torch
 
+    from ..storage.devices import resolve_device
     from .humaneval import evaluate, load_json, load_runner, save_json_atomic, select_problems
 
+    device = resolve_device(a.device)
     torch.set_num_threads(a.threads)
     if (a.server is None) != (a.key is None):
         raise ValueError("give both --server and --key (obfuscated model) or neither (plaintext model)")
     problems = select_problems(a.subset)
     label = "plaintext" if a.server is None else f"obfuscated:{a.server}"
-    runner = load_runner(label, a.src, a.server, a.key)
+    runner = load_runner(label, a.src, a.server, a.key, device=device)
     out = Path(a.out) if a.out else None
     data = load_json(out) if out else {}
     if data and data.get("label") not in (None, label):
@@ -40,10 +42,12 @@ def cmd_eval_humaneval(a: argparse.Namespace) -> int:
 def cmd_eval_fidelity(a: argparse.Namespace) -> int:
     import torch
 
+    from ..storage.devices import resolve_device
     from .fidelity import load_and_report
 
+    device = resolve_device(a.device)
     torch.set_num_threads(a.threads)
-    report = load_and_report(a.src, a.out, a.key, prompts=a.prompts, greedy_tokens=a.greedy_tokens,
+    report = load_and_report(a.src, a.out, a.key, device=device, prompts=a.prompts, greedy_tokens=a.greedy_tokens,
                              corpus=a.corpus, corpus_texts_n=a.texts, max_tokens=a.max_tokens)
     print(json.dumps(report, indent=2))
     return 0
@@ -71,6 +75,7 @@ def cmd_privacy_budget(a: argparse.Namespace) -> int:
 
 def add_eval_commands(sub) -> None:
     from ..obfuscation.params import PRESETS
+    from ..storage.devices import add_device_option
 
     ev = sub.add_parser("eval", help="accuracy evaluation: HumanEval pass@1, fidelity and perplexity")
     esub = ev.add_subparsers(dest="eval_command", required=True)
@@ -84,6 +89,7 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per test program")
     p.add_argument("--out", default=None, help="resumable JSON of per-problem results")
     p.add_argument("--threads", type=int, default=1)
+    add_device_option(p)
     p.set_defaults(func=cmd_eval_humaneval)
 
     p = esub.add_parser("fidelity", help="top-1/KL/logit error/greedy match on prompts, perplexity on real text")
@@ -97,6 +103,7 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--prompts", type=int, default=None, help="built-in prompts (default all 20)")
     p.add_argument("--greedy-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
+    add_device_option(p)
     p.set_defaults(func=cmd_eval_fidelity)
 
     p = sub.add_parser("privacy-budget", help="the paper's RmDP epsilon for a model and noise setting")

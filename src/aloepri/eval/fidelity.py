@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..runtime.fidelity import BUILTIN_PROMPTS, Fidelity, builtin_prompt_ids, compare
+from ..runtime.fidelity import BUILTIN_PROMPTS, Fidelity, builtin_prompt_ids, compare, place_models
 from ..keyfile import KeyFile
 
 DEFAULT_CORPUS = "debian-reference"
@@ -112,54 +112,63 @@ class Perplexity:
 
 
 @torch.no_grad()
-def perplexity_pair(plain_model, obf_model, key: KeyFile, ids_list: Sequence[Sequence[int]]) -> Perplexity:
-    """Perplexity of both models on the same plaintext ids (obfuscated logits mapped back by the key)."""
-    perm = torch.from_numpy(key.permutation)
-    nll_p = nll_o = 0.0
+def perplexity_pair(plain_model, obf_model, key: KeyFile, ids_list: Sequence[Sequence[int]],
+                    device=None) -> Perplexity:
+    """Perplexity of both models on the same plaintext ids (obfuscated logits mapped back by the key).
+    ``device``: as for ``compare`` (models moved there in place; None = where they are)."""
+    dev = place_models(device, plain_model, obf_model)
+    perm = torch.from_numpy(key.permutation).to(dev)
+    nll_p = torch.zeros((), dtype=torch.float64, device=dev)
+    nll_o = torch.zeros((), dtype=torch.float64, device=dev)
     n = 0
     for ids in ids_list:
-        x = torch.tensor([list(ids)])
+        x = torch.tensor([list(ids)], device=dev)
         lp = plain_model(x).logits[0, :-1].double()
-        lo = obf_model(torch.tensor([key.encode_ids(list(ids))])).logits[0, :-1].double()[:, perm]
+        lo = obf_model(torch.tensor([key.encode_ids(list(ids))], device=dev)).logits[0, :-1].double()[:, perm]
         target = x[0, 1:]
-        nll_p += F.cross_entropy(lp, target, reduction="sum").item()
-        nll_o += F.cross_entropy(lo, target, reduction="sum").item()
+        nll_p += F.cross_entropy(lp, target, reduction="sum")
+        nll_o += F.cross_entropy(lo, target, reduction="sum")
         n += target.numel()
     if n == 0:
         raise ValueError("no text with at least 2 tokens")
+    nll_p, nll_o = float(nll_p), float(nll_o)
     return Perplexity(math.exp(nll_p / n), math.exp(nll_o / n), n, len(ids_list), nll_p / n, nll_o / n)
 
 
 def fidelity_report(plain_model, obf_model, key: KeyFile, tokenizer, prompts: int | None = None,
                     greedy_tokens: int = 24, corpus: str | None = None, corpus_texts_n: int = 32,
-                    max_tokens: int = 128) -> dict:
-    """Everything at once: prompt fidelity (built-in chat prompts), corpus top-1/KL and perplexity."""
+                    max_tokens: int = 128, device=None) -> dict:
+    """Everything at once: prompt fidelity (built-in chat prompts), corpus top-1/KL and perplexity, on ``device``
+    (models moved there in place; None = where they are)."""
+    dev = place_models(device, plain_model, obf_model)
     prompt_ids = builtin_prompt_ids(tokenizer, key.vocab_size, prompts)
-    fid: Fidelity = compare(plain_model, obf_model, key, prompt_ids, greedy_tokens=greedy_tokens)
+    fid: Fidelity = compare(plain_model, obf_model, key, prompt_ids, greedy_tokens=greedy_tokens, device=dev)
     report = {"prompts": fid.to_dict()}
     if tokenizer is not None:
         texts, prov = corpus_texts(corpus, corpus_texts_n)
         ids = corpus_ids(tokenizer, texts, max_tokens)
-        teacher_forced = compare(plain_model, obf_model, key, ids, greedy_tokens=0).to_dict()
+        teacher_forced = compare(plain_model, obf_model, key, ids, greedy_tokens=0, device=dev).to_dict()
         for k in ("greedy_match_rate", "greedy_tokens"):  # no greedy continuation is run on corpus text
             teacher_forced.pop(k)
         report["corpus"] = {"provenance": prov, "max_tokens": max_tokens, **teacher_forced,
-                            "perplexity": perplexity_pair(plain_model, obf_model, key, ids).to_dict()}
+                            "perplexity": perplexity_pair(plain_model, obf_model, key, ids, device=dev).to_dict()}
     return report
 
 
-def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, **kwargs) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from ..runtime.inference import load_plain_model, load_tokenizer
+def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, device=None, **kwargs) -> dict:
+    """``fidelity_report`` of the obfuscated directory against its source, both loaded on ``device`` (default
+    cpu; an invalid or absent device is refused before anything is loaded)."""
+    from ..runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from ..keyfile import check_key_matches, load_key
+    from ..storage.devices import resolve_device
 
+    dev = resolve_device(device)
     key = load_key(key_path)
     check_key_matches(key, server_dir)
     tok = load_tokenizer(key, src if Path(src).is_file() else None)
-    plain = load_plain_model(src)
-    obf = AutoModelForCausalLM.from_pretrained(str(server_dir), dtype=torch.float32).eval()
-    return fidelity_report(plain, obf, key, tok, **kwargs)
+    plain = load_plain_model(src, device=dev)
+    obf = load_obfuscated_model(server_dir, device=dev)
+    return fidelity_report(plain, obf, key, tok, device=dev, **kwargs)
 
 
 __all__ = ["BUILTIN_PROMPTS", "Perplexity", "compare", "corpus_ids", "corpus_texts", "fidelity_report",

@@ -28,6 +28,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..storage.devices import model_device
+
 # Fixed CI subset: every 8th problem (20 problems, HumanEval/0 ... HumanEval/152), spread over the set so it
 # is not biased towards the easy early problems.
 CI_SUBSET = [f"HumanEval/{i}" for i in range(0, 160, 8)]
@@ -165,7 +167,8 @@ def greedy_until(model, prompt_ids: Sequence[int], decode_text: Callable[[list[i
 
     Returns (plain ids generated, text truncated at the first stop string, whether a stop/eos ended it).
     """
-    x = torch.tensor([to_server(list(prompt_ids))])
+    dev = model_device(model)
+    x = torch.tensor([to_server(list(prompt_ids))], device=dev)
     out = model(input_ids=x, use_cache=True)
     past, plain_out = out.past_key_values, []
     eos = set(eos_plain)
@@ -178,7 +181,7 @@ def greedy_until(model, prompt_ids: Sequence[int], decode_text: Callable[[list[i
         text, stopped = truncate_at_stop(decode_text(plain_out), stops)
         if stopped:
             return plain_out, text, True
-        out = model(input_ids=torch.tensor([[server_tok]]), past_key_values=past, use_cache=True)
+        out = model(input_ids=torch.tensor([[server_tok]], device=dev), past_key_values=past, use_cache=True)
         past = out.past_key_values
     return plain_out, decode_text(plain_out), False
 
@@ -255,18 +258,19 @@ def summarize(results: dict[str, dict]) -> dict:
 
 
 def load_runner(label: str, src: str | Path, server_dir: str | Path | None = None, key_path: str | Path | None = None,
-                dtype: torch.dtype = torch.float32) -> Runner:
-    """Plaintext runner (``server_dir`` None) or obfuscated runner through aloepri.runtime.inference.PrivateModel."""
+                dtype: torch.dtype = torch.float32, device=None) -> Runner:
+    """Plaintext runner (``server_dir`` None) or obfuscated runner through aloepri.runtime.inference.PrivateModel,
+    on ``device`` (default cpu)."""
     from ..runtime.inference import PrivateModel, load_hf_tokenizer, load_plain_model, load_tokenizer
     from ..keyfile import load_key
 
     if server_dir is None:
-        return Runner(label, load_plain_model(src, dtype), load_hf_tokenizer(src))
+        return Runner(label, load_plain_model(src, dtype, device), load_hf_tokenizer(src))
     if key_path is None:
         raise ValueError("an obfuscated model needs its client key (--key)")
     key = load_key(key_path)
     pm = PrivateModel(key, server_dir, tokenizer=load_tokenizer(key, src if Path(src).is_file() else None),
-                      dtype=dtype)
+                      dtype=dtype, device=device)
     return Runner(label, pm.model, pm.tokenizer, pm.key)
 
 

@@ -8,15 +8,26 @@ from typing import Any, Sequence
 import torch
 
 from ..keyfile import KeyFile, check_key_matches, load_key
+from ..storage.devices import resolve_device
 from ..storage.sources import pretrained_kwargs
 from .tokenizer import load_hf_tokenizer, load_tokenizer  # noqa: F401  (load_tokenizer: the public name)
 
 
-def load_plain_model(src: str | Path, dtype: torch.dtype = torch.float32):
-    """The public plaintext model, from a checkpoint directory or a .gguf file (dequantized by transformers)."""
+def load_plain_model(src: str | Path, dtype: torch.dtype = torch.float32, device=None):
+    """The public plaintext model, from a checkpoint directory or a .gguf file (dequantized by transformers), on
+    ``device`` (default cpu)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype)
+    return model.to(resolve_device(device)).eval()
+
+
+def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None):
+    """The server's artifact as a stock transformers model, on ``device`` (default cpu)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return model.to(resolve_device(device)).eval()
 
 
 @dataclass
@@ -31,18 +42,18 @@ class PrivateReply:
 class PrivateModel:
     """Client and (local) server in one process, for trying the method and for evaluation.
 
-    The obfuscated model is a stock transformers model; only ``key`` knows how its ids map to text.
+    The obfuscated model is a stock transformers model; only ``key`` knows how its ids map to text. It runs on
+    ``device`` (default cpu); ids go in and come out as Python lists.
     """
 
     def __init__(self, key: KeyFile | str | Path, model_dir: str | Path, tokenizer: Any = None,
-                 dtype: torch.dtype = torch.float32, verify_fingerprint: bool = True):
-        from transformers import AutoModelForCausalLM
-
+                 dtype: torch.dtype = torch.float32, verify_fingerprint: bool = True, device=None):
+        self.device = resolve_device(device)
         self.key = key if isinstance(key, KeyFile) else load_key(key)
         if verify_fingerprint:
             check_key_matches(self.key, model_dir)
         self.tokenizer = load_tokenizer(self.key, tokenizer)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.model = load_obfuscated_model(model_dir, dtype, self.device)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if self.tokenizer is None:
@@ -58,7 +69,8 @@ class PrivateModel:
         eos = self.key.obfuscated_eos_ids()
         gen_kwargs.setdefault("do_sample", False)
         out = self.model.generate(
-            torch.tensor([server_in]), attention_mask=torch.ones(1, len(server_in), dtype=torch.long),
+            torch.tensor([server_in], device=self.device),
+            attention_mask=torch.ones(1, len(server_in), dtype=torch.long, device=self.device),
             max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=(eos or [0])[0], **gen_kwargs,
         )
         server_out = out[0, len(server_in):].tolist()
