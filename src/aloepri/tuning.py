@@ -286,7 +286,8 @@ def add_tune_commands(sub) -> None:
     p.add_argument("--alpha-h", default=None,
                    help="alpha_h for the --alpha-e candidates: a number, or 'equal' for alpha_h = alpha_e "
                         "(default: the base preset's)")
-    p.add_argument("--base-preset", default="default", help="preset the candidates vary")
+    p.add_argument("--base-preset", default="noisy",
+                   help="preset the candidates vary (its alpha_h is kept when --alpha-h is not given)")
     p.add_argument("--prompts", type=int, default=20, help="fidelity prompts (built-in chat prompts)")
     p.add_argument("--private-prompts", type=int, default=30, help="PII prompts the attacks try to recover")
     p.add_argument("--results", default=None, help="resumable results JSON (default: next to --out)")
