@@ -1,4 +1,4 @@
-"""Behavioural attacks (aloepri.attacks.behavioural, issue 13) on real models: TTRSR / PIIRSR / vocabulary recovery
+"""Behavioural attacks (aloepri.attacks.behavioural) on real models: TTRSR / PIIRSR / vocabulary recovery
 for permutation-only, exact, noisy, paper and points of the alpha_e = alpha_h frontier, plus the composed
 pipeline (VMA -> behavioural -> ridge).
 

@@ -1,4 +1,4 @@
-"""A homophonic vocabulary against the frequency attacks TFMA and SDA (issue 13 §2), simulated on SmolLM2-135M's
+"""A homophonic vocabulary against the frequency attacks TFMA and SDA, simulated on SmolLM2-135M's
 49,152-token vocabulary (resumable JSON: benchmarks/results/defence_homophonic.json).
 
 The defence: every plaintext token t gets k_t server ids; the server's embedding table holds one row per server id

@@ -1,4 +1,4 @@
-"""Noise defences against the strongest attacker (issue 13 §2; docs/defences.md "Sensitivity-shaped noise" and
+"""Noise defences against the strongest attacker (docs/defences.md "Sensitivity-shaped noise" and
 "Distillation"). Every row: accuracy of an obfuscated SmolLM2 (top-1 agreement / mean KL vs plaintext on the
 built-in chat prompts) AND attacks on the very same obfuscated model.
 

@@ -7,8 +7,8 @@ inverses, the per-reader Q), the per-head dh x dh maps, noise, dequantization, h
 overhead the ratio has to absorb, so the fraction is of the WHOLE obfuscation wall time.
 
 The output is float32 (the GGUF sources' default), so a noisy preset (`noisy`) runs its products in float32 and
-`exact` in float64 (pipeline.product_dtype; error budget: benchmarks/product_precision.py). The fraction is reported against the float64 roofline (issue 16's
-measure) and, for honesty, against the float32 matmul rate probed before and after the run.
+the exact ones (`default`, `exact`) in float64 (pipeline.product_dtype; error budget: benchmarks/product_precision.py).
+The fraction is reported against the float64 roofline and, for honesty, against the float32 matmul rate probed before and after the run.
 
 Roofline: a float64 (2048 x 2048) @ (2048 x 2048) torch matmul with the same torch thread count, run in the child
 process before the obfuscation, after it, before the embedding and the head and between decoder layers (every

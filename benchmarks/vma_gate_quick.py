@@ -1,6 +1,6 @@
 """A first privacy number next to the fidelity numbers: vocabulary matching on embed x gate products.
 
-Preliminary (the attack suite is issue 4/5). What the attacker uses: the public plaintext SmolLM2 and the
+A quick check beside the full attack suite (aloepri.attacks). What the attacker uses: the public plaintext SmolLM2 and the
 obfuscated weights, no key. For layer l, W~_e W~_gate^T = Pi (W_e + N) diag(w_l) W_gate,l^T Z_l: the key
 matrices cancel (P Q = I), the FFN permutation Z_l only permutes columns, so sorting every row removes it. Both
 sides fuse their own RMSNorm weight (the obfuscated model's is kappa, except at kept outlier dimensions).
