@@ -307,7 +307,9 @@ def _cmd_tune(a) -> int:
         raise ValueError("--alpha-h goes with --alpha-e (the default candidates set both)")
     else:
         candidates = default_candidates(base)
-    ev = Evaluator(Path(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
+    from .models import resolve_model
+
+    ev = Evaluator(resolve_model(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
     store = ResultStore(a.results or Path(a.out).with_suffix(".results.json"))
     preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed)
     m = preset["measured"]

@@ -36,6 +36,9 @@ def cmd_attack(args: argparse.Namespace) -> int:
     budget = Budget.named(args.budget)
     budget.threads = max(1, args.threads)
     out = Path(args.report_dir)
+    from ..models import resolve_model
+
+    args.plain = resolve_model(args.plain)  # a bundled model's name or a path
     target = AttackTarget(args.plain, args.obfuscated, args.key)
     context: dict[str, Any] = {"plain": str(args.plain), "obfuscated": str(args.obfuscated), "budget": args.budget,
                                "prompts": args.prompts, "seed": args.seed, "attacks": names}
