@@ -114,7 +114,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from .models import BUNDLED_MODELS, resolve_model
 
     src = resolve_model(a.model)
-    about = BUNDLED_MODELS[a.model].description if a.model in BUNDLED_MODELS else str(src)
+    bundled = a.model in BUNDLED_MODELS and not Path(a.model).exists()  # resolve_model's order: a path first
+    about = BUNDLED_MODELS[a.model].description if bundled else str(src)
     if a.workdir:
         work = Path(a.workdir)
         work.mkdir(parents=True, exist_ok=True)

@@ -188,10 +188,10 @@ def _range_problems(p: "ObfuscationParams") -> list[str]:
 # docs/security.md).
 
 # `default`: the exact transforms at h = 0 with the massive-activation dimensions kept out of the key's mixing.
-# Logits equal plaintext's up to float rounding, the hidden width is unchanged (served cost 1.0x plaintext,
-# docs/serving.md "Served cost"), and bf16 on vLLM loses what plaintext bf16 loses (docs/serving.md "bf16").
-# Noise is left out because the noise measured on these models costs answers and stops no measured attack
-# (see `noisy`).
+# Logits equal plaintext's up to float rounding (SmolLM2, held-out prompts: docs/accuracy.md) and the served model
+# has the plaintext model's shapes (`noisy`, with the same shapes, serves at 0.96-1.00x plaintext's time per token,
+# docs/serving.md "Served cost"). Noise is left out because the noise measured on these models costs answers and
+# stops no measured attack (see `noisy`).
 DEFAULT = ObfuscationParams(h=0, outlier_dims=4)
 
 # `exact`: `default` with the hidden width expanded from d to d+2h at the paper's h = 128 (raised until the heads
@@ -231,8 +231,8 @@ _NOT_PRIVATE = ("does NOT hide the prompt from a server that holds the public mo
                 "Qwen2.5-Coder-0.5B, docs/security.md)")
 
 PRESET_NOTES = {
-    "default": "reproduces plaintext logits (no noise, width unchanged, served cost 1.0x); like every measured "
-    "setting it " + _NOT_PRIVATE,
+    "default": "reproduces plaintext logits (no noise, width unchanged); like every measured setting it "
+    + _NOT_PRIVATE,
     "exact": "reproduces plaintext logits with the hidden width expanded from d to d+2h, h = 128 or the next "
     "value the heads divide (costs (d+2h)/d per token, protects nothing measurable); it " + _NOT_PRIVATE,
     "noisy": "default plus embedding/head noise 10x below the paper's: changes answers (top-1 0.91, greedy match "
