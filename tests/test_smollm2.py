@@ -121,6 +121,5 @@ def test_demo_default_answers_as_plaintext_and_removes_its_files(smol, tmp_path,
     out = capsys.readouterr().out
     lines = {k.strip(): v for k, v in (line.split(" : ", 1) for line in out.splitlines() if " : " in line)}
     assert "SmolLM2-135M-Instruct" in out and "preset 'default'" in out
-    print(lines)
     assert lines["client reads"] == lines["plaintext model"] and "Paris" in lines["client reads"]
-    assert "removed the demo's files" in out and list(tmp_path.iterdir()) == []
+    assert "removed the demo's files" in out and not list(tmp_path.glob("aloepri-demo-*"))  # (torch caches there too)
