@@ -6,8 +6,8 @@ about fortune cookies (Debian `fortunes`, when installed). Same prompts, same pl
 float32, greedy continuation of --greedy-tokens tokens. Also asks "What is the capital of France?" at temperature 0
 through PrivateModel and through the plaintext model, as `aloepri demo --compare` does.
 
-Usage: OMP_NUM_THREADS=1 python benchmarks/default_fidelity.py [--presets default noisy] [--seeds 11 12]
-       [--pii-prompts 20 --fortune-prompts 20 --greedy-tokens 32]
+Usage: OMP_NUM_THREADS=1 python benchmarks/default_fidelity.py [--presets default noisy] [--seeds 21]
+       [--pii-prompts 12 --fortune-prompts 12 --greedy-tokens 24]
 Writes benchmarks/results/default_fidelity.json (resumable: finished (preset, seed) runs are skipped).
 """
 from __future__ import annotations
@@ -57,10 +57,10 @@ def plaintext_answer(plain, tok, prompt_ids: list[int], eos, max_new_tokens: int
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["default", "noisy"])
-    ap.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
-    ap.add_argument("--pii-prompts", type=int, default=20)
-    ap.add_argument("--fortune-prompts", type=int, default=20)
-    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[21])
+    ap.add_argument("--pii-prompts", type=int, default=12)
+    ap.add_argument("--fortune-prompts", type=int, default=12)
+    ap.add_argument("--greedy-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "default_fidelity.json"))
     a = ap.parse_args()
