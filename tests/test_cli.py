@@ -52,7 +52,7 @@ def test_unknown_model_name_is_one_clear_line(tmp_path, capsys):
     rc = main(["obfuscate", "no-such-model", str(tmp_path / "out"), "--key-out", str(tmp_path / "k"), "--quiet"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err
-    assert "'no-such-model' not found" in err and "smollm2" in err and "aloepri models" in err
+    assert "no-such-model: no such file or directory" in err and "smollm2" in err and "aloepri models" in err
     assert main(["verify", "no-such-model", str(tmp_path / "out"), "--key", str(tmp_path / "k")]) == 2
 
 

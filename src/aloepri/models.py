@@ -131,8 +131,8 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         return path
     model = BUNDLED_MODELS.get(str(spec))
     if model is None:
-        raise FileNotFoundError(f"model {str(spec)!r} not found: give an existing checkpoint directory or .gguf file, "
-                                f"or a bundled model name ({', '.join(BUNDLED_MODELS)}; see `aloepri models`)")
+        raise FileNotFoundError(f"{spec}: no such file or directory, and not a bundled model's name "
+                                f"({', '.join(BUNDLED_MODELS)}; see `aloepri models`)")
     try:
         return model.locate()
     except ModelNotInstalledError as e:
