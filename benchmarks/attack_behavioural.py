@@ -1,5 +1,5 @@
-"""Behavioural attacks (aloepri.attacks.behavioural, issue 13) on real models: TTRSR / PIIRSR / vocabulary recovery
-for permutation-only, exact, default, paper and points of the alpha_e = alpha_h frontier, plus the composed
+"""Behavioural attacks (aloepri.attacks.behavioural) on real models: TTRSR / PIIRSR / vocabulary recovery
+for permutation-only, exact, noisy, paper and points of the alpha_e = alpha_h frontier, plus the composed
 pipeline (VMA -> behavioural -> ridge).
 
 Resumable: results/attack_behavioural.json is keyed model/target/attack/budget; existing entries are skipped.
@@ -36,11 +36,11 @@ REDUCED = {"round_seqs": (96,), "rerank_ids": 0}
 
 
 def target_params(target: str):
-    """'alpha-X' (the default preset with alpha_e = alpha_h = X), or any target attack_tables names (a preset,
-    or a preset with overrides 'PRESET:key=value,...', e.g. default:lam=0.1)."""
+    """'alpha-X' (the noisy preset with alpha_e = alpha_h = X), or any target attack_tables names (a preset,
+    or a preset with overrides 'PRESET:key=value,...', e.g. noisy:lam=0.1)."""
     if target.startswith("alpha-"):
         a = float(target.split("-", 1)[1])
-        return aloepri.resolve_params("default", alpha_e=a, alpha_h=a)
+        return aloepri.resolve_params("noisy", alpha_e=a, alpha_h=a)
     return attack_tables.target_params(target)
 
 
@@ -108,7 +108,7 @@ def plot(store: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", default=["smollm2"], choices=["smollm2", "qwen"])
-    ap.add_argument("--targets", nargs="*", default=["permutation-only", "exact", "default", "paper"])
+    ap.add_argument("--targets", nargs="*", default=["permutation-only", "exact", "noisy", "paper"])
     ap.add_argument("--attacks", nargs="*", default=ATTACKS, choices=ATTACKS + [NO_TEMPLATE])
     ap.add_argument("--budget", default="small", choices=["ci", "small", "full"])
     ap.add_argument("--prompts", type=int, default=50)

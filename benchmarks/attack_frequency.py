@@ -1,6 +1,6 @@
 """Frequency and known-pair attacks on real models, per preset (resumable JSON).
 
-    OMP_NUM_THREADS=1 python benchmarks/attack_frequency.py [--models smollm2,qwen] [--presets exact,default,paper]
+    OMP_NUM_THREADS=1 python benchmarks/attack_frequency.py [--models smollm2,qwen] [--presets exact,noisy,paper]
         [--budget full] [--work /tmp/aloepri-attack-frequency]
 
 For each model and preset: obfuscate (seed 11, cached in --work), then
@@ -13,9 +13,9 @@ per model/preset/attack; entries already present are skipped, and each write mer
 two runs on different presets may share it (or use --out and merge).
 Needs the Debian corpora of docs/data.md. Wall time on SmolLM2 with 1 thread on a shared 2-core machine: about
 1 min per TFMA, 4-9 min per ridge (full 49,152 x 49,152 matching), 12 min per bootstrapped ridge.
-The committed JSON was produced by (exact and default, then paper in a second process):
-    benchmarks/attack_frequency.py --models smollm2 --presets exact,default --attacks tfma,ridge
-    benchmarks/attack_frequency.py --models smollm2 --presets exact,default --attacks freq-ridge \
+The committed JSON was produced by (exact and noisy, then paper in a second process):
+    benchmarks/attack_frequency.py --models smollm2 --presets exact,noisy --attacks tfma,ridge
+    benchmarks/attack_frequency.py --models smollm2 --presets exact,noisy --attacks freq-ridge \
         --freq-settings distribution-aware
     benchmarks/attack_frequency.py --models smollm2 --presets paper --attacks tfma,ridge --ks 20,300,1000
 """
@@ -57,7 +57,7 @@ def _save(path: Path, entry: str, value: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2")
-    ap.add_argument("--presets", default="exact,default,paper")
+    ap.add_argument("--presets", default="exact,noisy,paper")
     ap.add_argument("--attacks", default="tfma,ridge,freq-ridge")
     ap.add_argument("--budget", default="full", choices=["ci", "small", "full"])
     ap.add_argument("--ks", default="20,300,1000", help="known-pair counts for the ridge attack")

@@ -1,4 +1,4 @@
-"""ISA / IMA / SDA on SmolLM2-135M-Instruct for the presets exact / default / paper (+ the unprotected model as
+"""ISA / IMA / SDA on SmolLM2-135M-Instruct for the presets exact / noisy / paper (+ the unprotected model as
 the positive control), resumable: results go to benchmarks/results/attack_inversion.json and a (target, attack)
 pair already there is skipped.
 
@@ -24,7 +24,7 @@ from aloepri.attacks.inversion import ISAConfig, _ima, isa_attention_attack, isa
 from aloepri.models import smollm2_gguf
 
 RESULTS = Path(__file__).parent / "results" / "attack_inversion.json"
-PRESETS = ("exact", "default", "paper")
+PRESETS = ("exact", "noisy", "paper")
 
 
 def _target(name: str, src: Path, work: Path) -> AttackTarget:
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--isa-len", type=int, default=24, help="positions per prompt inverted by ISA")
     ap.add_argument("--isa-prompts", type=int, default=3, help="prompts inverted by ISA (it costs minutes each)")
     ap.add_argument("--only", default="", help="comma list of attacks to run (default all)")
-    ap.add_argument("--targets", default="unprotected,exact,default,paper")
+    ap.add_argument("--targets", default="unprotected,exact,noisy,paper")
     ap.add_argument("--work", default="/tmp/aloepri-attack-inversion")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -58,7 +58,7 @@ def main() -> None:
     plans = []
     for t in args.targets.split(","):
         plans += [(t, "ima_oracle"), (t, "ima")]
-    plans += [("default", "sda")]  # SDA sees ids only: identical for every preset (same permutation mechanism)
+    plans += [("noisy", "sda")]  # SDA sees ids only: identical for every preset (same permutation mechanism)
     for t in args.targets.split(","):
         plans += [(t, "isa_hidden")]
     for t in args.targets.split(","):

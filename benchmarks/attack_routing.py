@@ -1,7 +1,7 @@
 """MoE routing-leak attack on tiny random-weight MoE models, per architecture / preset / relabelling (resumable JSON).
 
     OMP_NUM_THREADS=1 python benchmarks/attack_routing.py [--archs qwen2_moe,qwen3_moe,mixtral,deepseek_v3]
-        [--presets exact,default] [--prompts 8] [--tokens 16] [--overrides JSON] [--no-control]
+        [--presets exact,noisy] [--prompts 8] [--tokens 16] [--overrides JSON] [--no-control]
         [--work /tmp/aloepri-attack-routing]
 
 No real MoE checkpoint is available offline, so every number here is on the tiny random-weight models of
@@ -10,7 +10,7 @@ through the stock classes, obfuscated with seed 11. Random-weight models route m
 attack; trained models route by context more. Plus the positive control (the weak target): Qwen3-MoE with 32
 experts, exact preset. Private prompts: ``--prompts`` random id sequences (seed 0) of ``--tokens`` ids after an
 8-id known prefix (a stand-in for the public chat template). Candidate pool: the full vocabulary (96).
-Further runs: `--archs qwen3_moe --presets default --overrides '{"num_experts": 32}' --no-control` (the weak
+Further runs: `--archs qwen3_moe --presets noisy --overrides '{"num_experts": 32}' --no-control` (the weak
 target under noise) and `--archs qwen3_moe --presets exact --prompts 24 --no-control` (more traffic).
 Each entry: token recovery (TTRSR), the fraction of private tokens whose id occurs in the known prefix (known
 outright, a floor), learned-relabelling accuracy, the fraction of (token, layer) expert sets the
@@ -81,7 +81,7 @@ def routing_agreement(target, data) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", default="qwen2_moe,qwen3_moe,mixtral,deepseek_v3")
-    ap.add_argument("--presets", default="exact,default")
+    ap.add_argument("--presets", default="exact,noisy")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help='config overrides for --archs, JSON, e.g. {"num_experts": 32}')

@@ -1,9 +1,9 @@
 """Attack tables for docs/security.md: the weight attacks (VMA, Gate-IA, Attn-IA, Attn-IA-sorted, NN, or any
 registered attack via --attacks) on SmolLM2-135M (and Qwen2.5-Coder-0.5B with --models qwen) for the presets
-exact / default / paper, the positive-control targets, and the paper's ablation rows.
+exact / noisy / paper, the positive-control targets, and the paper's ablation rows.
 
 Targets:
-  exact, default, paper      aloepri.obfuscate with that preset (seed --seed)
+  default, exact, noisy, paper  aloepri.obfuscate with that preset (seed --seed)
   exact-nohp                 exact preset with head_permutation=False (beta is already 1): the weak target of
                              the paper's Attn-IA (positive control)
   permutation-only           the plaintext model with its vocabulary rows permuted, nothing else (positive
@@ -47,7 +47,7 @@ def target_params(target: str):
     """A preset, exact-nohp, ablation-N, or a preset with overrides 'PRESET:key=value,...' (benchmarks/variants.py)."""
     if ":" in target:
         return parse_variant(target)[1]
-    if target in ("exact", "default", "paper"):
+    if target in aloepri.PRESETS:
         return aloepri.resolve_params(target)
     if target == "exact-nohp":
         return aloepri.resolve_params("exact", head_permutation=False)
@@ -128,7 +128,7 @@ def save_entry(key: str, entry: dict, path: Path = RESULTS) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", default=["smollm2"], choices=["smollm2", "qwen"])
-    ap.add_argument("--targets", nargs="*", default=["permutation-only", "exact-nohp", "exact", "default", "paper",
+    ap.add_argument("--targets", nargs="*", default=["permutation-only", "exact-nohp", "exact", "noisy", "paper",
                                                      "ablation-0", "ablation-1"])
     ap.add_argument("--attacks", nargs="*", default=MY_ATTACKS)
     ap.add_argument("--budget", default="small", choices=["ci", "small", "full"])

@@ -1,4 +1,4 @@
-"""A homophonic vocabulary against the frequency attacks TFMA and SDA (issue 13 §2), simulated on SmolLM2-135M's
+"""A homophonic vocabulary against the frequency attacks TFMA and SDA, simulated on SmolLM2-135M's
 49,152-token vocabulary (resumable JSON: benchmarks/results/defence_homophonic.json).
 
 The defence: every plaintext token t gets k_t server ids; the server's embedding table holds one row per server id
@@ -15,7 +15,7 @@ t's ids at random for every occurrence in its prompt. Allocations (``--schemes``
 
 Nothing is built into the obfuscation pipeline: the served embedding / head rows are computed with the
 pipeline's own pure functions (``obfuscate_embedding`` / ``obfuscate_head``) and a real ``SecretSampler`` key
-(preset ``default`` or ``paper``, seed 11), and the client's traffic is simulated from the corpora of
+(preset ``noisy`` or ``paper``, seed 11), and the client's traffic is simulated from the corpora of
 docs/data.md (1,000,000-token private stream + the 50 Faker PII prompts, seed 0).
 
 Attackers:
@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--sda-settings", default="distribution-aware")
     ap.add_argument("--sda-budget", default="ci", choices=["ci", "small", "full"])
-    ap.add_argument("--grouping-presets", default="default,paper")
+    ap.add_argument("--grouping-presets", default="noisy,paper")
     ap.add_argument("--grouping-queries", type=int, default=2000)
     ap.add_argument("--table", action="store_true", help="print the docs tables from the JSON and exit")
     args = ap.parse_args(argv)
@@ -429,7 +429,7 @@ def main(argv=None) -> int:
         groups_file = WORK / f"groups-{name}.npy"
         if not groups_file.exists():  # the group-aware attacker's grouping: bit-identical served head rows
             WORK.mkdir(parents=True, exist_ok=True)
-            _, head = served_rows(plain, hom, "default", embedding=False)
+            _, head = served_rows(plain, hom, "noisy", embedding=False)
             np.save(groups_file, group_identical_rows(head))
         groups = np.load(groups_file)
         if "grouping" in parts:
@@ -480,7 +480,7 @@ def main(argv=None) -> int:
                 def tfma(setting=setting):
                     prior, truth = streams(tokenizer, data, setting, None, full)
                     return {**desc, "setting": setting, "prior_tokens": int(len(prior)),
-                            "grouping": "bit-identical served LM-head rows (preset default)",
+                            "grouping": "bit-identical served LM-head rows (preset noisy)",
                             **tfma_runs(hom, groups, prior, truth, data)}
                 run(f"tfma/{setting}/{name}", tfma)
         if "sda" in parts:

@@ -1,9 +1,9 @@
-"""Noise defences against the strongest attacker (issue 13 §2; docs/defences.md "Sensitivity-shaped noise" and
+"""Noise defences against the strongest attacker (docs/defences.md "Sensitivity-shaped noise" and
 "Distillation"). Every row: accuracy of an obfuscated SmolLM2 (top-1 agreement / mean KL vs plaintext on the
 built-in chat prompts) AND attacks on the very same obfuscated model.
 
 Targets
-  <shape>-<alpha>               the default preset with alpha_e = alpha_h = alpha and noise_shape = <shape>
+  <shape>-<alpha>               the noisy preset with alpha_e = alpha_h = alpha and noise_shape = <shape>
                                 (isotropic: the paper's; fisher: aloepri.obfuscation.noise + eval.sensitivity)
   <shape>-<alpha>+headfit-<n>   that model after client-side distillation of its head on <n> windows (below)
 
@@ -41,7 +41,7 @@ DISTILL_CORPUS = "fortunes"  # public; disjoint from the evaluation prompts and 
 
 def target_params(target: str):
     shape, alpha = target.split("+", 1)[0].rsplit("-", 1)
-    return aloepri.resolve_params("default", alpha_e=float(alpha), alpha_h=float(alpha), noise_shape=shape)
+    return aloepri.resolve_params("noisy", alpha_e=float(alpha), alpha_h=float(alpha), noise_shape=shape)
 
 
 def refit_head(plain, obf, perm: np.ndarray, ids: torch.Tensor, ridge: float = 1e-3, batch: int = 4,

@@ -20,9 +20,9 @@ from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
 OUT = Path(__file__).parent / "results" / "eval_fidelity.json"
 SEED = 20261122
 RUNS = [("smollm2", p, dict(prompts=None, greedy_tokens=24, corpus_texts_n=32, max_tokens=128))
-        for p in ("exact", "default", "paper")] + \
+        for p in ("exact", "noisy", "paper")] + \
        [("qwen-coder-0.5b", p, dict(prompts=10, greedy_tokens=16, corpus_texts_n=16, max_tokens=96))
-        for p in ("default", "paper", "exact")]
+        for p in ("noisy", "paper", "exact")]
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """What the expansion h buys: the state attacks (isa_anchor, nn, isa_attention, ima) and the accuracy of the same
-obfuscated model, for `exact` and `default` at several h, on SmolLM2-135M (and Qwen2.5-Coder-0.5B with --model qwen).
+obfuscated model, for `exact` and `noisy` at several h, on SmolLM2-135M (and Qwen2.5-Coder-0.5B with --model qwen).
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/expansion_sweep.py --model smollm2 --budget ci
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/expansion_sweep.py --model smollm2 --attacks isa_attention
@@ -84,10 +84,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen"])
     ap.add_argument("--hs", default="", help="comma list of requested h (default: 2,16,d/8,d/4,128)")
-    ap.add_argument("--presets", default="exact,default")
+    ap.add_argument("--presets", default="exact,noisy")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=PRESET:key=value,...",
                     help="also run a preset with overrides under its own label (benchmarks/variants.py), e.g. "
-                         "default_beta1=default:beta=1; repeatable")
+                         "default_beta1=noisy:beta=1; repeatable")
     ap.add_argument("--attacks", default="fidelity,isa_anchor,nn", help=f"comma list from {','.join(ATTACKS)}")
     ap.add_argument("--budget", default="ci", choices=["ci", "small", "full"])
     ap.add_argument("--prompts", type=int, default=20, help="victim PII prompts (Faker, seed 7)")

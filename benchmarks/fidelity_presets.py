@@ -22,7 +22,7 @@ from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
 
 CONFIGS = {
     "exact": ("exact", {}),
-    "default": ("default", {}),
+    "noisy": ("noisy", {}),
     "paper": ("paper", {}),
     # ablations on top of `exact`: one mechanism at a time
     "alpha_e=1.0": ("exact", {"alpha_e": 1.0}),

@@ -27,7 +27,7 @@ from aloepri.obfuscation.params import resolve_params
 from aloepri.tuning import DEFAULT_ATTACKS, Evaluator, ResultStore, sweep
 
 RESULTS = Path(__file__).parent / "results"
-SWEEPS = {  # series -> overrides of the `default` preset, one dict per point; the series label names the x value
+SWEEPS = {  # series -> overrides of the `noisy` preset, one dict per point; the series label names the x value
     "alpha_e": [{"alpha_e": v} for v in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)],
     "alpha_h": [{"alpha_h": v} for v in (0.0, 0.02, 0.05, 0.1, 0.2)],
     "lam": [{"lam": v} for v in (0.0, 0.1, 0.3)],
@@ -108,7 +108,7 @@ def plot(store_path: Path, png: Path) -> None:
                      for p in beh if attack in p["attacks"])
         if not pts:
             continue
-        # the line joins the noise settings (alpha-X, default, exact); `paper` (another lam/alpha mix) is a lone marker
+        # the line joins the noise settings (alpha-X, noisy, exact); `paper` (another lam/alpha mix) is a lone marker
         line = [p for p in pts if not p[2].startswith("paper")]
         (h,) = ax.plot([p[0] for p in line], [p[1] for p in line], marker + "--", lw=1.2,
                        label=f"{attack} (own output, seed 1234)")
@@ -174,7 +174,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
         ev = Evaluator(model_path(a.model), a.attacks, a.budget, a.prompts, 0, a.private_prompts)
         store = ResultStore(store_path)
-        base = resolve_params("default")
+        base = resolve_params("noisy")
         for name in a.sweeps:
             points = SWEEPS[name]
             if a.values is not None:

@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (or --model qwen-coder). Every model is exported by the same exporter
 (``aloepri.export.gguf.export_gguf``) at each tensor type: the plaintext reference directory (the very f32 weights
-the obfuscation starts from), and the obfuscated server directories (presets ``exact`` and ``default``, one key
+the obfuscation starts from), and the obfuscated server directories (presets ``exact`` and ``noisy``, one key
 per --seeds). All run on llama.cpp (llama-cpp-python, f32 KV cache, --threads threads).
 
 Text: the first --prompts built-in chat prompts, each followed by the plaintext f32 GGUF's greedy reply (up to
@@ -11,7 +11,7 @@ obfuscated models) against the plaintext f32 GGUF. Reported per (model, type):
 
 - top1 / kl: argmax agreement with, and mean KL(plaintext f32 || model) in nats from, plaintext f32;
 - self_top1 / self_kl: the same against that model's own f32 export (the loss the rounding alone causes; for
-  ``default`` this removes its float32 noise floor);
+  ``noisy`` this removes its float32 noise floor);
 - excess = obfuscated at b bits minus plaintext at b bits (kl and self_kl; top1 as a difference).
 
 --diagnose runs the same text through transformers in float32 with llama.cpp's q8_0 / q4_0 rounding emulated on
@@ -19,7 +19,7 @@ the weights only, on the matmul inputs only (llama.cpp quantizes activations to 
 quantized matmul), or both, for plaintext and the first seed's obfuscated models: which rounding costs what.
 
 Results: benchmarks/results/gguf_fidelity.json (resumable: finished entries are kept; --workdir keeps the models)
-Usage: python benchmarks/gguf_fidelity.py [--types f32 f16 q8_0 q4_0] [--presets exact default] [--seeds 11]
+Usage: python benchmarks/gguf_fidelity.py [--types f32 f16 q8_0 q4_0] [--presets exact noisy] [--seeds 11]
        [--prompts 8] [--reply-tokens 64] [--threads 2]
        [--diagnose q8_0 [--diagnose-seqs 3] [--diagnose-where weights inputs] [--massive-k 4]]
 """
@@ -184,7 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
     ap.add_argument("--types", nargs="+", default=["f32", "f16", "q8_0", "q4_0"])
-    ap.add_argument("--presets", nargs="+", default=["exact", "default"],
+    ap.add_argument("--presets", nargs="+", default=["exact", "noisy"],
                     help="presets, or LABEL=PRESET:key=value,... variants (benchmarks/variants.py)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[11])
     ap.add_argument("--prompts", type=int, default=8)

@@ -1,4 +1,4 @@
-"""HumanEval pass@1 on Qwen2.5-Coder-0.5B-Instruct: plaintext vs obfuscated (exact / default / paper presets).
+"""HumanEval pass@1 on Qwen2.5-Coder-0.5B-Instruct: plaintext vs obfuscated (exact / noisy / paper presets).
 
 Greedy decoding (pass@1 = fraction solved), the prompt format and sandbox of aloepri.eval.humaneval, fp32,
 one CPU thread. Resumable: every finished problem is saved to benchmarks/results/humaneval.json at once and
@@ -24,7 +24,7 @@ from aloepri.eval.humaneval import (evaluate, load_json, load_runner, save_json_
 from aloepri.models import qwen25_coder_05b_gguf
 
 OUT = Path(__file__).parent / "results" / "humaneval.json"
-CONFIGS = ["plaintext", "exact", "default", "paper"]
+CONFIGS = ["plaintext", "exact", "noisy", "paper"]
 SEED = 20261122
 
 

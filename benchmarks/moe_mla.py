@@ -24,17 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import MOE_ARCHS, build_tiny  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "moe_mla.json"
-# default+noiseless: every key-matrix mechanism of `default` without the embedding/head noise, to separate the
+# noisy+noiseless: every key-matrix mechanism of `noisy` without the embedding/head noise, to separate the
 # (approximate) RMSNorm handling from the noise
 PRESET_VARIANTS = {
-    "default+noiseless": dict(alpha_e=0.0, alpha_h=0.0),
-    # ablation of default+noiseless: which mechanism costs what
-    "default+noiseless+beta1": dict(alpha_e=0.0, alpha_h=0.0, beta=1),
-    "default+noiseless+lam0": dict(alpha_e=0.0, alpha_h=0.0, lam=0.0),
-    "default+noiseless+noCE": dict(alpha_e=0.0, alpha_h=0.0, c_scale=0.0, e_scale=0.0),
+    "noisy+noiseless": dict(alpha_e=0.0, alpha_h=0.0),
+    # ablation of noisy+noiseless: which mechanism costs what
+    "noisy+noiseless+beta1": dict(alpha_e=0.0, alpha_h=0.0, beta=1),
+    "noisy+noiseless+lam0": dict(alpha_e=0.0, alpha_h=0.0, lam=0.0),
+    "noisy+noiseless+noCE": dict(alpha_e=0.0, alpha_h=0.0, c_scale=0.0, e_scale=0.0),
 }
-PRESETS = ("exact", "default+noiseless", "default", "paper")
-ABLATION = ("default+noiseless+beta1", "default+noiseless+lam0", "default+noiseless+noCE")
+PRESETS = ("exact", "noisy+noiseless", "noisy", "paper")
+ABLATION = ("noisy+noiseless+beta1", "noisy+noiseless+lam0", "noisy+noiseless+noCE")
 WIDE = dict(vocab_size=2048, hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
             intermediate_size=512, max_position_embeddings=256)
 WIDE_PER_ARCH = {  # MLA heads have their own dims; MoE sizes scaled with the width
@@ -137,7 +137,7 @@ def hwm():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
 before = hwm()
-r = aloepri.obfuscate(sys.argv[1], Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", aloepri.resolve_params("default"),
+r = aloepri.obfuscate(sys.argv[1], Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", aloepri.resolve_params("noisy"),
                       seed=1, allow_weak_seed=True, progress=False)
 print(json.dumps({"seconds": r.seconds, "output_mib": r.bytes_written / 2**20, "peak_rss_mib": hwm(), "imports_rss_mib": before}))
 """

@@ -6,9 +6,9 @@ product, including the embedding and the head (ObfuscationResult.flops). Not cou
 inverses, the per-reader Q), the per-head dh x dh maps, noise, dequantization, hashing, writing -- those are
 overhead the ratio has to absorb, so the fraction is of the WHOLE obfuscation wall time.
 
-The output is float32 (the GGUF sources' default), so a noisy preset (`default`) runs its products in float32 and
-`exact` in float64 (pipeline.product_dtype; error budget: benchmarks/product_precision.py). The fraction is reported against the float64 roofline (issue 16's
-measure) and, for honesty, against the float32 matmul rate probed before and after the run.
+The output is float32 (the GGUF sources' default), so a noisy preset (`noisy`) runs its products in float32 and
+the exact ones (`default`, `exact`) in float64 (pipeline.product_dtype; error budget: benchmarks/product_precision.py).
+The fraction is reported against the float64 roofline and, for honesty, against the float32 matmul rate probed before and after the run.
 
 Roofline: a float64 (2048 x 2048) @ (2048 x 2048) torch matmul with the same torch thread count, run in the child
 process before the obfuscation, after it, before the embedding and the head and between decoder layers (every
@@ -17,7 +17,7 @@ obfuscation sees; the fraction uses their mean rate.
 
 Each model is obfuscated in a fresh subprocess so its peak RSS is its own. Results are resumable: one entry per
 (label, model) in benchmarks/results/obfuscation_perf.json; an existing entry is kept unless --force.
-Usage: python benchmarks/obfuscation_perf.py --label after [--models smollm2 qwen-coder] [--preset default]
+Usage: python benchmarks/obfuscation_perf.py --label after [--models smollm2 qwen-coder] [--preset noisy]
 """
 from __future__ import annotations
 
@@ -262,7 +262,7 @@ def main() -> None:
     ap.add_argument("--label", required=True, help="name of this code state, e.g. before / after")
     ap.add_argument("--models", nargs="*", default=["smollm2", "qwen-coder"],
                     help="smollm2, qwen-coder, synthetic-deep (40 layers, 4k vocabulary) or a checkpoint path")
-    ap.add_argument("--preset", default="default")
+    ap.add_argument("--preset", default="noisy")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--probe-every", type=int, default=4, help="roofline probe every N decoder layers (0: none)")
     ap.add_argument("--omp-wait-policy", default="PASSIVE",

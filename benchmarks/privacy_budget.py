@@ -10,7 +10,7 @@ from aloepri.eval.privacy import load_vocab_matrices, budget_from_matrices
 out = {}
 for name, src in [("SmolLM2-135M", smollm2_gguf()), ("Qwen2.5-Coder-0.5B", qwen25_coder_05b_gguf())]:
     we, wh = load_vocab_matrices(src)
-    for preset in ["exact", "default", "paper"]:
+    for preset in ["exact", "noisy", "paper"]:
         p = aloepri.resolve_params(preset)
         for eps1 in [math.inf, 1.0, 10.0]:
             b = budget_from_matrices(we, wh, p.alpha_e, p.alpha_h, eps1)

@@ -8,7 +8,7 @@ Per model and preset it reports
   error| for X = plaintext float32 (the floor any float32 model pays), the float64-product obfuscation and the
   float32-product obfuscation; top-1 agreement with the float64 plaintext.
 
-    python benchmarks/product_precision.py --models smollm2 --presets exact default
+    python benchmarks/product_precision.py --models smollm2 --presets exact noisy
 Results: benchmarks/results/product_precision.json (one entry per model/preset; --force recomputes).
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def weight_gap(dir_a: Path, dir_b: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "qwen-coder"])
-    ap.add_argument("--presets", nargs="+", default=["exact", "default"])
+    ap.add_argument("--presets", nargs="+", default=["exact", "noisy"])
     ap.add_argument("--texts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=4242)

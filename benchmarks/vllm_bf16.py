@@ -9,7 +9,7 @@ against plaintext float32 on vLLM. Reported per (model, engine, dtype):
 - top1: fraction of positions whose argmax equals plaintext float32's;
 - kl: mean KL(plaintext float32 || model) in nats, over all positions and over the reply positions;
 - self_top1 / self_kl (vLLM): the same against the model's own float32 vLLM run (what the rounding alone costs,
-  which for a noisy preset such as `default` removes its float32 noise floor; float32 runs first);
+  which for a noisy preset such as `noisy` removes its float32 noise floor; float32 runs first);
 - greedy_agree: mean number of reply tokens a free-running greedy decode reproduces before its first difference
   (exact: before the first teacher-forced argmax difference the free-running context is the same text).
 
@@ -17,7 +17,7 @@ vLLM logits are the full rows its LogitsProcessor computes (a forward hook, in-p
 vLLM turns into prompt_logprobs (checked against them on the reference run). vLLM runs in its own venv
 (.venv-vllm, or --vllm-python); this script re-runs itself there with --worker.
 
-Usage: python benchmarks/vllm_bf16.py [--seeds 11 12 13] [--presets exact default] [--dtypes float32 bfloat16 float16]
+Usage: python benchmarks/vllm_bf16.py [--seeds 11 12 13] [--presets exact noisy] [--dtypes float32 bfloat16 float16]
        [--engines vllm transformers] [--diagnose bfloat16]
 Results: benchmarks/results/vllm_bf16.json (resumable: finished entries are kept; --workdir keeps the models).
 """
@@ -214,7 +214,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[11, 12, 13])
-    ap.add_argument("--presets", nargs="+", default=["exact", "default"],
+    ap.add_argument("--presets", nargs="+", default=["exact", "noisy"],
                     help="presets, or ablations LABEL=PRESET:key=value,... (e.g. rot=exact:h=0,vo_scale_range=1)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     ap.add_argument("--engines", nargs="+", default=["vllm", "transformers"])

@@ -1,6 +1,6 @@
 """A first privacy number next to the fidelity numbers: vocabulary matching on embed x gate products.
 
-Preliminary (the attack suite is issue 4/5). What the attacker uses: the public plaintext SmolLM2 and the
+A quick check beside the full attack suite (aloepri.attacks). What the attacker uses: the public plaintext SmolLM2 and the
 obfuscated weights, no key. For layer l, W~_e W~_gate^T = Pi (W_e + N) diag(w_l) W_gate,l^T Z_l: the key
 matrices cancel (P Q = I), the FFN permutation Z_l only permutes columns, so sorting every row removes it. Both
 sides fuse their own RMSNorm weight (the obfuscated model's is kappa, except at kept outlier dimensions).
@@ -34,10 +34,10 @@ def sorted_rows(m: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", nargs="*", default=["exact", "default", "paper"],
+    ap.add_argument("--presets", nargs="*", default=["exact", "noisy", "paper"],
                     help="presets, or variants LABEL=PRESET:key=value,... (benchmarks/variants.py)")
-    ap.add_argument("--default-alpha-e", nargs="*", type=float, default=[0.3, 0.5],
-                    help="extra runs: the default preset with these alpha_e values")
+    ap.add_argument("--noisy-alpha-e", nargs="*", type=float, default=[0.3, 0.5],
+                    help="extra runs: the noisy preset with these alpha_e values")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1234)
@@ -51,7 +51,7 @@ def main() -> None:
              for l in range(a.layers)]
     out = {"model": src.name, "layers": a.layers, "queries": a.queries, "candidate_pool": embed.shape[0], "runs": {}}
     settings = [parse_variant(p) for p in a.presets]
-    settings += [(f"default,alpha_e={x}", resolve_params("default", alpha_e=x)) for x in a.default_alpha_e]
+    settings += [(f"noisy,alpha_e={x}", resolve_params("noisy", alpha_e=x)) for x in a.noisy_alpha_e]
     for preset, params in settings:
         with tempfile.TemporaryDirectory() as work:
             obfuscate(src, Path(work) / "m", Path(work) / "k.json", params, seed=a.seed, allow_weak_seed=True,

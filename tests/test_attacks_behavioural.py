@@ -34,7 +34,7 @@ def targets(tiny_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("behavioural")
     out = {}
     for name, params in {"exact": aloepri.resolve_params("exact", h=16),
-                         "default": aloepri.resolve_params("default", h=16)}.items():
+                         "noisy": aloepri.resolve_params("noisy", h=16)}.items():
         aloepri.obfuscate(src, work / name, work / f"{name}.key", params, seed=7, progress=False,
                           allow_weak_seed=True)
         out[name] = AttackTarget(src, work / name, work / f"{name}.key")
@@ -114,7 +114,7 @@ def test_composition_vma_pairs_then_ridge(targets):
     from aloepri.attacks.behavioural import ridge_refine, vma_confident_pairs
 
     _, _, t = targets
-    target = t["default"]
+    target = t["noisy"]
     vma_pairs = vma_confident_pairs(target, "ci", 0, 96)
     truth = np.argsort(target.true_permutation())
     assert vma_pairs and np.mean([truth[o] == p for o, p in vma_pairs]) >= 0.9

@@ -1,4 +1,4 @@
-"""Issue 12: the secret comes from the OS CSPRNG and stays in the key file; every bad input or fault is one
+"""The secret comes from the OS CSPRNG and stays in the key file; every bad input or fault is one
 clear line with exit code 2 and leaves nothing behind; a killed run does not block its rerun.
 
 Every case goes through the real CLI (``aloepri.cli.main`` in process; one subprocess run for what ``ps`` shows,
@@ -55,7 +55,7 @@ def _entries(directory: Path) -> list[str]:
 
 
 def _seed_search(server_dir: Path, limit: int) -> list[int]:
-    """The attack of issue 12 from the server directory alone: every seed below ``limit`` whose vocabulary
+    """A seed search from the server directory alone: every seed below ``limit`` whose vocabulary
     permutation sends the plaintext special ids (public: the source model's config) to the published ones."""
     gen = json.loads((server_dir / "generation_config.json").read_text())
     n = json.loads((server_dir / "config.json").read_text())["vocab_size"]

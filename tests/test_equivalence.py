@@ -125,8 +125,8 @@ def test_obfuscated_weights_are_not_the_plain_weights(arch, tiny_dir, obfuscated
 
 @pytest.mark.parametrize("arch", ["llama_bias", "qwen2", "qwen3", "qwen2_moe", "deepseek_v3"])
 def test_noisy_presets_stay_close_and_load(arch, tiny_dir, obfuscated):
-    """default/paper presets are approximations: they must load and keep the logits correlated."""
-    out, key = obfuscated(arch, preset="default")
+    """noisy/paper presets are approximations: they must load and keep the logits correlated."""
+    out, key = obfuscated(arch, preset="noisy")
     plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)
     ids = torch.randint(0, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     lp = _logits(plain, ids)
@@ -186,19 +186,30 @@ def test_outlier_dims_stay_exact_and_unmixed(arch, tiny_dir, obfuscated):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
-def test_default_is_exact_but_for_its_noise(arch, tiny_dir, obfuscated):
-    """`default` is the exact transforms plus embedding/head noise: lambda 0, beta 1 and h 0 were each measured to
+def test_default_preset_is_exact(arch, tiny_dir, obfuscated):
+    """`default` (what the CLI and the API use when no preset is named) reproduces plaintext logits: no noise, no
+    lambda, no RoPE block permutation, no expansion. A default that brings back an approximate mechanism fails here."""
+    assert aloepri.resolve_params().is_exact and aloepri.resolve_params() == aloepri.resolve_params("default")
+    out, key = obfuscated(arch, preset="default")
+    plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)
+    assert obf.config.hidden_size == plain.config.hidden_size  # h = 0: the width is unchanged
+    err = _max_logit_error(plain, obf, key, 13, seed=6)
+    assert err <= 1e-9, err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_noisy_is_exact_but_for_its_noise(arch, tiny_dir, obfuscated):
+    """`noisy` is the exact transforms plus embedding/head noise: lambda 0, beta 1 and h 0 were each measured to
     stop no attack and to cost accuracy (docs/serving.md "bf16", docs/expansion.md). With its noise set to zero it
     must reproduce plaintext logits; a preset that brings back an approximate mechanism fails here."""
-    out, key = obfuscated(arch, preset="default", alpha_e=0.0, alpha_h=0.0)  # C/E are empty at h = 0
+    out, key = obfuscated(arch, preset="noisy", alpha_e=0.0, alpha_h=0.0)  # C/E are empty at h = 0
     err = _max_logit_error(load64(tiny_dir(arch), arch), load64(out, arch), key, 13, seed=6)
     assert err <= 1e-9, err
 
 
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "deepseek_v3"])
 def test_no_expansion_h0_stays_exact(arch, tiny_dir, obfuscated):
-    """h = 0 (the `default` preset since the expansion was measured to buy nothing, docs/expansion.md): the
+    """h = 0 (the `default` and `noisy` presets: the expansion was measured to buy nothing, docs/expansion.md): the
     hidden width stays d and the logits are still exact."""
     out, key = obfuscated(arch, h=0)
     plain, obf = load64(tiny_dir(arch), arch), load64(out, arch)

@@ -287,7 +287,7 @@ def _assert_llamacpp_saw_no_plaintext(ex, body, sent_ids, prompt_ids, question, 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_openai_sdk_through_proxy_on_llama_cpp_equals_plaintext_on_llama_cpp(llamacpp, question, stream):
-    """Issue 3's acceptance test: official openai SDK -> aloepri proxy -> (recording tap) -> llama.cpp server on
+    """End to end: official openai SDK -> aloepri proxy -> (recording tap) -> llama.cpp server on
     the obfuscated f32 GGUF. The greedy answer equals the plaintext f32 GGUF's greedy answer on the same engine,
     token for token, and the server saw neither the plaintext ids nor any word of the question or answer."""
     key = llamacpp["core"].key

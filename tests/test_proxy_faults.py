@@ -1,4 +1,4 @@
-"""Proxy faults (issue 12 section 3) on tiny random models, real servers on loopback:
+"""Proxy faults on tiny random models, real servers on loopback:
 
 * the upstream restarted on the same port with another obfuscated model: refused before decoding (stamped
   replies, a listed fingerprint, or only the listing's metadata), /health says so, recovery when it is back;

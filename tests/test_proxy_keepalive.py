@@ -1,5 +1,5 @@
 """The proxy's upstream re-check costs one /v1/models per upstream connection, not one per request: replies on
-a kept-alive connection that already passed are decoded without asking again (issue 12 follow-up)."""
+a kept-alive connection that already passed are decoded without asking again."""
 import time
 
 import pytest

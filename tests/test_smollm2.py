@@ -102,6 +102,24 @@ def test_cli_verify(smol, exact_artifact, capsys):
     from aloepri.cli import main
 
     out, key_path = exact_artifact
-    assert main(["verify", str(smol), str(out), "--key", str(key_path), "--prompts", "2", "--greedy-tokens", "8"]) == 0
+    # the bundled model's name stands for its path
+    assert main(["verify", "smollm2", str(out), "--key", str(key_path), "--prompts", "2", "--greedy-tokens", "8"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["top1_agreement"] == 1.0 and report["greedy_match_rate"] == 1.0
+
+
+def test_demo_default_answers_as_plaintext_and_removes_its_files(smol, tmp_path, monkeypatch, capsys):
+    """`aloepri demo` with the default preset: the private answer at temperature 0 is the plaintext model's, the
+    model is named, and its temporary files are gone at the end."""
+    import tempfile
+
+    from aloepri.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["demo", "--model", "smollm2", "--prompt", "What is the capital of France?", "--max-new-tokens", "16",
+                 "--compare", "--seed", "7", "--allow-weak-seed"]) == 0
+    out = capsys.readouterr().out
+    lines = {k.strip(): v for k, v in (line.split(" : ", 1) for line in out.splitlines() if " : " in line)}
+    assert "SmolLM2-135M-Instruct" in out and "preset 'default'" in out
+    assert lines["client reads"] == lines["plaintext model"] and "Paris" in lines["client reads"]
+    assert "removed the demo's files" in out and not list(tmp_path.glob("aloepri-demo-*"))  # (torch caches there too)

@@ -48,7 +48,7 @@ def test_store_survives_concurrent_writers(tmp_path):
 
 
 def test_tuned_preset_file_is_accepted_by_obfuscate(tmp_path):
-    preset = {"params": aloepri.resolve_params("default", alpha_e=0.3).to_dict(), "criterion": "top-1 >= 0.5",
+    preset = {"params": aloepri.resolve_params("noisy", alpha_e=0.3).to_dict(), "criterion": "top-1 >= 0.5",
               "measured": {"max_ttrsr": 0.1}}
     (tmp_path / "p.json").write_text(json.dumps(preset))
     assert aloepri.resolve_params(preset_file=tmp_path / "p.json").alpha_e == 0.3
@@ -64,7 +64,7 @@ def test_tune_needs_an_accuracy_budget(capsys):
 def test_parse_candidates_fixed_equal_and_errors():
     from aloepri.tuning import default_candidates, parse_candidates
 
-    base = aloepri.resolve_params("default")
+    base = aloepri.resolve_params("noisy")
     assert [(p.alpha_e, p.alpha_h) for p in parse_candidates(base, "0.1,0.3", "equal")] == [(0.1, 0.1), (0.3, 0.3)]
     assert [(p.alpha_e, p.alpha_h) for p in parse_candidates(base, "0.2", "0.05")] == [(0.2, 0.05)]
     assert parse_candidates(base, "0.2", None)[0].alpha_h == base.alpha_h

@@ -226,7 +226,7 @@ def _server_reply_ids(exchange, stream: bool) -> list[int]:
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_openai_sdk_through_proxy_on_vllm_equals_plaintext_on_vllm(vllm_py, smollm2_exact, plaintext_on_vllm,
                                                                     obfuscated_on_vllm, question, stream):
-    """Issue 16's acceptance test: openai SDK -> aloepri proxy -> (recording tap) -> vLLM OpenAI server on the
+    """End to end: openai SDK -> aloepri proxy -> (recording tap) -> vLLM OpenAI server on the
     obfuscated float32 SmolLM2. The greedy answer equals plaintext vLLM's token for token, and vLLM saw neither
     the plaintext ids nor any word of the question or answer."""
     from aloepri.keyfile import load_key

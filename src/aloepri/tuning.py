@@ -286,7 +286,8 @@ def add_tune_commands(sub) -> None:
     p.add_argument("--alpha-h", default=None,
                    help="alpha_h for the --alpha-e candidates: a number, or 'equal' for alpha_h = alpha_e "
                         "(default: the base preset's)")
-    p.add_argument("--base-preset", default="default", help="preset the candidates vary")
+    p.add_argument("--base-preset", default="noisy",
+                   help="preset the candidates vary (its alpha_h is kept when --alpha-h is not given)")
     p.add_argument("--prompts", type=int, default=20, help="fidelity prompts (built-in chat prompts)")
     p.add_argument("--private-prompts", type=int, default=30, help="PII prompts the attacks try to recover")
     p.add_argument("--results", default=None, help="resumable results JSON (default: next to --out)")
@@ -306,7 +307,9 @@ def _cmd_tune(a) -> int:
         raise ValueError("--alpha-h goes with --alpha-e (the default candidates set both)")
     else:
         candidates = default_candidates(base)
-    ev = Evaluator(Path(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
+    from .models import resolve_model
+
+    ev = Evaluator(resolve_model(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
     store = ResultStore(a.results or Path(a.out).with_suffix(".results.json"))
     preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed)
     m = preset["measured"]

@@ -1,4 +1,4 @@
-"""Attack suite (issue 4/5): every attack of the paper plus later ones, as reusable parts.
+"""Attack suite: every attack of the AloePri paper plus our own, as reusable parts.
 
 Importing the package fills ``REGISTRY`` (name -> ``fn(target, data, budget, seed) -> AttackResult``). The weight
 attacks (VMA, Gate-IA, Attn-IA, NN) are always available; the others are loaded when their module exists, and a

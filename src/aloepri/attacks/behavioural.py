@@ -1,4 +1,4 @@
-"""Behavioural attacks (issue 13): the server runs the obfuscated model AND the public plaintext model on inputs
+"""Behavioural attacks: the server runs the obfuscated model AND the public plaintext model on inputs
 of its choice and matches the vocabularies by what the two models *do*, not by their weights.
 
 What the attacker uses, exactly (no key, no weight compared):

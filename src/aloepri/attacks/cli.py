@@ -41,6 +41,9 @@ def cmd_attack(args: argparse.Namespace) -> int:
             raise ValueError(f"--batch must be a positive number of sequences, got {args.batch}")
         budget.batch = args.batch
     out = Path(args.report_dir)
+    from ..models import resolve_model
+
+    args.plain = resolve_model(args.plain)  # a bundled model's name or a path
     target = AttackTarget(args.plain, args.obfuscated, args.key, device=args.device)
     context: dict[str, Any] = {"plain": str(args.plain), "obfuscated": str(args.obfuscated), "budget": args.budget,
                                "prompts": args.prompts, "seed": args.seed, "attacks": names,

@@ -1,4 +1,4 @@
-"""MoE routing leak (issue 5, item 7): recover the victim's plaintext tokens from the experts the server saw chosen.
+"""MoE routing leak: recover the victim's plaintext tokens from the experts the server saw chosen.
 
 Threat: the server runs the obfuscated MoE model, so per token and MoE layer it sees which expert *slots* were
 chosen (``aloepri.obfuscation.routing.routing_decisions``). AloePri permutes the experts of every layer by a secret

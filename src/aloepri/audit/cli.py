@@ -27,7 +27,8 @@ def add_audit_commands(sub: Any) -> None:
     """Add ``audit`` to the ``aloepri`` subcommands."""
     p = sub.add_parser("audit", help="who can read your prompts: fidelity and the strongest attacks on one "
                                      "obfuscated model, as report.json and a self-contained report.html")
-    p.add_argument("plain", help="the public plaintext model the obfuscated one was made from (.gguf or HF directory)")
+    p.add_argument("plain", help="the public plaintext model the obfuscated one was made from (.gguf, HF directory "
+                                  "or a bundled model name such as smollm2)")
     p.add_argument("--obfuscated", required=True, help="the obfuscated model directory (the server's artifact)")
     p.add_argument("--key", required=True, help="the client key (used to score the attacks, never written out)")
     p.add_argument("--budget", default="ci", metavar="ci|small|full",

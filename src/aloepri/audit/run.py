@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..keyfile import KeyFile, check_key_matches, load_key
+from ..models import BUNDLED_MODELS, resolve_model
 from ..storage.staging import check_writable_destination, clean_stale, make_staging_file
 from . import plan as plan_mod
 from .verdict import FAILED, RAN, SKIPPED, headline, verdicts
@@ -77,6 +78,11 @@ def validate_inputs(plain: str | Path, obfuscated: str | Path, key: str | Path, 
     if budget not in plan_mod.BUDGETS:
         raise AuditInputError(f"unknown budget {budget!r}; choose one of {', '.join(plan_mod.BUDGETS)}")
     plain, obfuscated, key_path, out = Path(plain), Path(obfuscated), Path(key), Path(out)
+    if not plain.exists() and str(plain) in BUNDLED_MODELS:  # a bundled model's name (`aloepri models`)
+        try:
+            plain = resolve_model(str(plain))
+        except OSError as e:
+            raise AuditInputError(" ".join(str(e).split())) from None
     if not plain.exists():
         raise AuditInputError(f"plaintext model {plain} not found; give the public model the obfuscated one was "
                               "made from (a .gguf file or a Hugging Face directory)")

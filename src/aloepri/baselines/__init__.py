@@ -1,4 +1,4 @@
-"""The paper's Table 1 baselines in aloepri's harness (issue 15): SANTEXT, SANTEXT+, RANTEXT and DP-Forward.
+"""The paper's Table 1 baselines in aloepri's harness: SANTEXT, SANTEXT+, RANTEXT and DP-Forward.
 
 Mechanisms (pure, seeded with a torch.Generator) live in token_substitution.py and dp_forward.py; harness.py runs
 them through the same PII prompts, attacks, fidelity numbers and HumanEval code as aloepri itself; cli.py is

@@ -57,9 +57,9 @@ def cmd_baseline(a: argparse.Namespace) -> int:
         raise ValueError(f"--delta must lie in (0, 1), got {a.delta}")
     if a.prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {a.prompts}")
-    src = Path(a.plain)
-    if not src.exists():
-        raise ValueError(f"--plain {src} does not exist (give a .gguf file or a Hugging Face model directory)")
+    from ..models import resolve_model
+
+    src = resolve_model(a.plain)
     torch.set_num_threads(max(1, a.threads))
     from transformers import AutoTokenizer
 

@@ -7,6 +7,8 @@ import math
 import sys
 from pathlib import Path
 
+from ..models import resolve_model
+
 
 def cmd_eval_humaneval(a: argparse.Namespace) -> int:
     import torch
@@ -20,7 +22,7 @@ def cmd_eval_humaneval(a: argparse.Namespace) -> int:
         raise ValueError("give both --server and --key (obfuscated model) or neither (plaintext model)")
     problems = select_problems(a.subset)
     label = "plaintext" if a.server is None else f"obfuscated:{a.server}"
-    runner = load_runner(label, a.src, a.server, a.key, device=device)
+    runner = load_runner(label, resolve_model(a.src), a.server, a.key, device=device)
     out = Path(a.out) if a.out else None
     data = load_json(out) if out else {}
     if data and data.get("label") not in (None, label):
@@ -47,7 +49,8 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
 
     device = resolve_device(a.device)
     torch.set_num_threads(a.threads)
-    report = load_and_report(a.src, a.out, a.key, device=device, prompts=a.prompts, greedy_tokens=a.greedy_tokens,
+    report = load_and_report(resolve_model(a.src), a.out, a.key, device=device, prompts=a.prompts,
+                             greedy_tokens=a.greedy_tokens,
                              corpus=a.corpus, corpus_texts_n=a.texts, max_tokens=a.max_tokens)
     print(json.dumps(report, indent=2))
     return 0
@@ -68,7 +71,7 @@ def cmd_privacy_budget(a: argparse.Namespace) -> int:
         if a.tokens is None:
             raise ValueError("--eps-tok needs --tokens (how many positions the client perturbs)")
         eps_1 = sequence_epsilon(a.eps_tok, a.tokens)
-    b = privacy_budget(a.src, params.alpha_e, params.alpha_h, eps_1)
+    b = privacy_budget(resolve_model(a.src), params.alpha_e, params.alpha_h, eps_1)
     print(json.dumps({"alpha_e": params.alpha_e, "alpha_h": params.alpha_h, **b.to_dict()}, indent=2))
     return 0
 

@@ -23,7 +23,7 @@ from . import keymat
 from .blocks import LayerContext, attention_kind, feed_forward_kind
 from .checkpoint import (AtomicOutputDir, CheckpointError, ShardedWriter, SourceCheckpoint, clean_stale_outputs,
                          open_checkpoint)
-from .params import ObfuscationParams
+from .params import PRESETS, ObfuscationParams
 from .secrets import ModelShape, SecretSampler, effective_h, resolve_seed
 from .transforms import obfuscate_embedding, obfuscate_head, padded_rope_theta, split_norm_weight
 
@@ -144,7 +144,7 @@ def obfuscate(
     src: str | Path,
     out: str | Path,
     key_out: str | Path,
-    params: ObfuscationParams,
+    params: ObfuscationParams | None = None,
     seed: int | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 256 << 20,
@@ -154,6 +154,8 @@ def obfuscate(
     noise_factors: tuple | None = None,
 ) -> ObfuscationResult:
     """Obfuscate ``src`` (HF checkpoint directory or .gguf) into ``out`` (server artifact) and ``key_out``.
+
+    ``params`` defaults to the ``default`` preset (lossless: logits equal plaintext's up to float rounding).
 
     ``seed`` is the whole secret: None (the default) draws 256 bits from the OS CSPRNG. An explicit seed of fewer
     than 128 bits is refused unless ``allow_weak_seed`` (a reproducible, insecure key: tests and benchmarks only).
@@ -166,6 +168,8 @@ def obfuscate(
     out, key_out = Path(out).resolve(), Path(key_out).resolve()
     check_key_outside(key_out, out)
     seed = resolve_seed(seed, allow_weak_seed)
+    if params is None:
+        params = PRESETS["default"]
     if not isinstance(params, ObfuscationParams):
         raise ValueError(f"params must be an ObfuscationParams (see resolve_params), got {type(params).__name__}")
     if params.needs_noise_factors != (noise_factors is not None):
