@@ -7,8 +7,12 @@ The decoded greedy answer must equal, token for token, the plaintext SmolLM2's g
 between the proxy and vLLM holds what the server received and sent, which must contain no run of three plaintext
 prompt ids and no word of the question or the answer.
 
-One engine at a time (about 2-3 GB of memory each, 30-80 s to start on 2 cores): the obfuscated engine with
-the proxy in front answers every question and is stopped; then the plaintext engine answers the same prompts."""
+Tensor parallelism: the same obfuscated directory served on 3 ranks (``--tensor-parallel-size 3``) must give the
+same greedy tokens.
+
+One engine at a time (about 2-3 GB of memory per worker process, 30-80 s to start on 2 cores): the obfuscated
+engine with the proxy in front answers every question and is stopped; then the plaintext engine answers the same
+prompts; then the tensor-parallel engine."""
 import contextlib
 import json
 import os
@@ -269,3 +273,50 @@ def test_sdk_straight_to_vllm_equals_plaintext(vllm_py, plaintext_on_vllm, obfus
     assert obfuscated_on_vllm["sdk"] == {"token_ids": want["reply_ids"], "text": want["text"]}
     # vLLM lists no model fingerprint; the proxy checked the key against the directory's aloepri_model.json
     assert obfuscated_on_vllm["health"] == "verified-local-meta"
+
+
+# vLLM splits the attention heads across the ranks and refuses a tensor-parallel size that does not divide their
+# number. SmolLM2-135M has 9 heads (3 KV heads), so every SmolLM2 checkpoint, the plaintext one included, is refused
+# at 2 ("Total number of attention heads (9) must be divisible by tensor parallel size (2)"); 3 divides both.
+SMOLLM2_TP = 3
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_on_vllm(vllm_py, smollm2_exact, plaintext_on_vllm, tmp_path_factory):
+    """The exact-preset directory served by vLLM with ``--tensor-parallel-size 3``: one worker process per rank,
+    each holding its shard of every layer (heads, MLP rows and columns, vocabulary), one OpenMP thread each, no core
+    binding, all on loopback. Every question is asked greedily through the Python SDK; then it is stopped. Runs
+    after the single-rank engines are down (one engine at a time)."""
+    smol, server_dir, key_path = smollm2_exact
+    work = tmp_path_factory.mktemp("vllm-tp")
+    out = {}
+    try:
+        server = VllmServer(vllm_py, server_dir, work / "vllm", name="obfuscated",
+                            extra_args=("--tensor-parallel-size", str(SMOLLM2_TP)))
+        with server as url, Client(key_path, url, tokenizer=smol) as c:
+            for q in QUESTIONS:
+                r = c.chat(q, max_tokens=MAX_TOKENS, temperature=0)
+                out[q] = {"token_ids": r.token_ids, "text": r.text, "prompt_ids": r.prompt_token_ids,
+                          "server_prompt_ids": r.server_prompt_ids}
+            out["log"] = server.log_path.read_text(errors="replace")
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_tensor_parallel_vllm_equals_single_rank_and_plaintext(smollm2_exact, plaintext_on_vllm, obfuscated_on_vllm,
+                                                              tensor_parallel_on_vllm, question):
+    """The obfuscated checkpoint shards like any checkpoint: served on 3 tensor-parallel ranks, its greedy reply
+    equals plaintext vLLM's (single rank) token for token, and the single-rank obfuscated reply."""
+    from aloepri.keyfile import load_key
+
+    key = load_key(smollm2_exact[2])
+    log = tensor_parallel_on_vllm["log"]
+    assert f"world_size={SMOLLM2_TP}" in log
+    assert all(f"Worker_TP{rank} " in log for rank in range(SMOLLM2_TP))  # one worker process per rank
+    got, want = tensor_parallel_on_vllm[question], plaintext_on_vllm[question, False]
+    assert got["prompt_ids"] == want["prompt_ids"]
+    assert got["server_prompt_ids"] == key.encode_ids(want["prompt_ids"])
+    assert got["token_ids"] == want["reply_ids"]  # token for token
+    assert got["text"] == want["text"] == obfuscated_on_vllm[question, False]["content"]
