@@ -105,13 +105,13 @@ def vllm_env(workdir: Path, threads: int = 1) -> dict[str, str]:
     return env
 
 
-def _ids_completion(url: str, model: str, prompt_ids: list[int], stop_ids: list[int], stream: bool):
+def _ids_completion(url: str, model: str, prompt_ids: list[int], stop_ids: list[int], stream: bool, **extra):
     """Greedy ``/v1/completions`` with an int prompt straight to a vLLM server: (reply ids, finish_reason,
     usage as vLLM counts it)."""
     import httpx2
 
     body = {"model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True, "stop_token_ids": stop_ids, "stream": stream}
+            "return_token_ids": True, "stop_token_ids": stop_ids, "stream": stream, **extra}
     if stream:
         body["stream_options"] = {"include_usage": True}
     r = httpx2.post(url + "/v1/completions", json=body, timeout=300)
@@ -320,3 +320,58 @@ def test_tensor_parallel_vllm_equals_single_rank_and_plaintext(smollm2_exact, pl
     assert got["server_prompt_ids"] == key.encode_ids(want["prompt_ids"])
     assert got["token_ids"] == want["reply_ids"]  # token for token
     assert got["text"] == want["text"] == obfuscated_on_vllm[question, False]["content"]
+
+
+TINY_TP = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_on_vllm_ranks(vllm_py, tmp_path_factory):
+    """A random-weight Llama whose 4 heads (2 KV heads) split over 2 ranks, heads of 64 (vLLM's CPU attention takes
+    head sizes from 32 up), obfuscated with the exact preset. The plaintext checkpoint on 1 rank, then the obfuscated
+    one on 1 and on 2 ranks, one engine at a time, ids in and ids out (``--skip-tokenizer-init``), each asked the
+    same prompts greedily for MAX_TOKENS tokens (EOS ignored); the obfuscated replies are mapped back to plaintext
+    ids with the key."""
+    import aloepri
+    import torch
+    from aloepri.keyfile import load_key
+    from tiny_models import build_tiny
+
+    work = tmp_path_factory.mktemp("vllm-tiny-tp")
+    try:
+        src = build_tiny("llama", work / "src", vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+        aloepri.obfuscate(src, work / "server", work / "client.key", aloepri.resolve_params("exact"), seed=7,
+                          allow_weak_seed=True, progress=False)
+        key = load_key(work / "client.key")
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 40)]
+        out = {"prompts": prompts}
+        for label, model_dir, ranks, keyed in (("plain", src, 1, False), ("obfuscated", work / "server", 1, True),
+                                               ("obfuscated-tp", work / "server", TINY_TP, True)):
+            server = VllmServer(vllm_py, model_dir, work / label, name=label,
+                                extra_args=("--skip-tokenizer-init", "--tensor-parallel-size", str(ranks)))
+            with server as url:
+                replies = []
+                for p in prompts:
+                    ids, _, _ = _ids_completion(url, label, key.encode_ids(p) if keyed else p, [], False,
+                                                ignore_eos=True)
+                    replies.append(key.decode_ids(ids) if keyed else ids)
+                out[label] = replies
+                out[label, "log"] = server.log_path.read_text(errors="replace")
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_tensor_parallel_two_ranks_equals_one_rank_and_plaintext(tiny_on_vllm_ranks):
+    """Two tensor-parallel ranks (each holding half of every layer's heads and MLP) give the single-rank obfuscated
+    engine's and the plaintext engine's greedy tokens, token for token."""
+    log = tiny_on_vllm_ranks["obfuscated-tp", "log"]
+    assert f"world_size={TINY_TP}" in log
+    assert all(f"Worker_TP{rank} " in log for rank in range(TINY_TP))
+    plain = tiny_on_vllm_ranks["plain"]
+    assert [len(r) for r in plain] == [MAX_TOKENS] * len(tiny_on_vllm_ranks["prompts"])
+    assert len({tuple(r) for r in plain}) == len(plain)  # distinct replies: the comparison is not vacuous
+    assert tiny_on_vllm_ranks["obfuscated"] == plain
+    assert tiny_on_vllm_ranks["obfuscated-tp"] == plain
