@@ -7,8 +7,9 @@ The decoded greedy answer must equal, token for token, the plaintext SmolLM2's g
 between the proxy and vLLM holds what the server received and sent, which must contain no run of three plaintext
 prompt ids and no word of the question or the answer.
 
-Tensor parallelism: the same obfuscated directory served on 3 ranks (``--tensor-parallel-size 3``) must give the
-same greedy tokens.
+Tensor parallelism: the same obfuscated directory served on 3 ranks (``--tensor-parallel-size 3``; SmolLM2's 9
+heads do not split in 2) must give the same greedy tokens, and so must a random-weight Llama with 4 heads on 2
+ranks, against itself on 1 rank and its plaintext.
 
 One engine at a time (about 2-3 GB of memory per worker process, 30-80 s to start on 2 cores): the obfuscated
 engine with the proxy in front answers every question and is stopped; then the plaintext engine answers the same
