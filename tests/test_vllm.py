@@ -136,7 +136,7 @@ def _strip_eos(ids: list[int], eos: int) -> list[int]:
 CASES = [(q, s) for q in QUESTIONS for s in (False, True)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session scope: set up (or skipped) before the session's obfuscation fixture
 def vllm_py():
     return vllm_python()
 
@@ -306,8 +306,8 @@ def tensor_parallel_on_vllm(vllm_py, smollm2_exact, plaintext_on_vllm, tmp_path_
 
 
 @pytest.mark.parametrize("question", QUESTIONS)
-def test_tensor_parallel_vllm_equals_single_rank_and_plaintext(smollm2_exact, plaintext_on_vllm, obfuscated_on_vllm,
-                                                              tensor_parallel_on_vllm, question):
+def test_tensor_parallel_vllm_equals_single_rank_and_plaintext(vllm_py, smollm2_exact, plaintext_on_vllm,
+                                                              obfuscated_on_vllm, tensor_parallel_on_vllm, question):
     """The obfuscated checkpoint shards like any checkpoint: served on 3 tensor-parallel ranks, its greedy reply
     equals plaintext vLLM's (single rank) token for token, and the single-rank obfuscated reply."""
     from aloepri.keyfile import load_key
