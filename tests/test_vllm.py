@@ -192,8 +192,8 @@ def obfuscated_on_vllm(vllm_py, smollm2_exact, tmp_path_factory):
                 messages = [{"role": "user", "content": q}]
                 if stream:
                     pieces, finish, usage = [], None, None
-                    for chunk in sdk.chat.completions.create(model="obfuscated", messages=messages, max_tokens=MAX_TOKENS,
-                                                             temperature=0, stream=True,
+                    for chunk in sdk.chat.completions.create(model="obfuscated", messages=messages,
+                                                             max_tokens=MAX_TOKENS, temperature=0, stream=True,
                                                              stream_options={"include_usage": True}):
                         usage = chunk.usage or usage
                         for c in chunk.choices:
