@@ -18,8 +18,11 @@ from a server that only has the PUBLIC base model as its reference?
 Resumable: results/finetune_attack.json, keyed ``drift/<steps>`` and ``<setting>/<steps>/<attack>/<budget>``;
 entries present are skipped. Checkpoints and obfuscated models live in --work (about 0.5 GB each).
 Run (one or two threads on a shared machine; the fine-tune is CPU-bound):
-    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/finetune_attack.py --phase finetune --steps 0,25,100,200
-    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/finetune_attack.py --phase attack --settings lossless
+    OMP_NUM_THREADS=2 nice -n 10 python benchmarks/finetune_attack.py --phase finetune
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/finetune_attack.py --phase attack --attacks behavioural \
+        --budget small --threads 1
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/finetune_attack.py --phase attack --attacks isa_anchor,vma \
+        --budget ci --threads 1
     python benchmarks/finetune_attack.py --print      (Markdown table and results/finetune_attack.png)
 """
 from __future__ import annotations
@@ -292,13 +295,13 @@ def plot(store: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", choices=["finetune", "attack"])
-    ap.add_argument("--steps", default="0,25,100,200")
+    ap.add_argument("--steps", default="0,5,20,50")
     ap.add_argument("--corpus", default="debian-reference")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--eval-blocks", type=int, default=32)
+    ap.add_argument("--eval-blocks", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settings", default="lossless")
     ap.add_argument("--attacks", default=",".join(ATTACKS))

@@ -8,7 +8,9 @@ this passage ...", the seeded private half of ``python-docs``, docs/data.md), sh
 sees every id through one secret permutation. The observer's reference frequencies come from a DIFFERENT public
 corpus (``--priors``): ``fortunes`` (general English, zero-knowledge) or ``debian-reference`` (computing
 documentation, domain-aware), either as raw text or ``+template``: the same text cut into request-sized pieces
-and wrapped in the public chat template (an observer who knows the traffic is chat requests).
+and wrapped in the public chat template (an observer who knows the traffic is chat requests); and, as the
+observer's best case, ``same-distribution``: traffic generated exactly like the client's (other Faker values,
+the other half of python-docs), which no real observer has.
 
 For each observed volume (``--volumes``, default 10^3 .. 10^6 tokens: the first requests of the stream up to
 that many tokens) TFMA (aloepri.attacks.frequency.tfma_match: frequency-rank matching over the full vocabulary)
@@ -36,7 +38,7 @@ import numpy as np
 
 RESULTS = Path(__file__).parent / "results" / "logs_only.json"
 VOLUMES = (1_000, 10_000, 100_000, 1_000_000)
-PRIORS = ("fortunes", "fortunes+template", "debian-reference", "debian-reference+template")
+PRIORS = ("fortunes", "fortunes+template", "debian-reference", "debian-reference+template", "same-distribution")
 DOC_INSTRUCTIONS = ("Explain this passage from our documentation:\n\n",
                     "Summarize the following text in two sentences:\n\n",
                     "Rewrite this for a beginner:\n\n",
@@ -59,12 +61,13 @@ def chat_wrapper(tokenizer) -> tuple[list[int], list[int]]:
     return chat_template_ids(tokenizer)
 
 
-def doc_passages(tokenizer, max_tokens: int, seed: int) -> list[list[int]]:
-    """Request bodies about the client's documents: paragraphs of the private half of python-docs, grouped up to
-    ~200 tokens, each after one of a few instructions."""
+def doc_passages(tokenizer, max_tokens: int, seed: int, client_half: bool = True) -> list[list[int]]:
+    """Request bodies about the client's documents: paragraphs of the private half of python-docs (the other half
+    when ``client_half`` is False), grouped up to ~200 tokens, each after one of a few instructions."""
     from aloepri.attacks.data import frequency_setting
 
-    _, private = frequency_setting("distribution-aware", seed)  # (prior, private): the client's half
+    held_out, private = frequency_setting("distribution-aware", seed)  # (prior, private): the client's half
+    private = private if client_half else held_out
     rng = np.random.default_rng(seed)
     out, total = [], 0
     for doc in private:
@@ -82,15 +85,16 @@ def doc_passages(tokenizer, max_tokens: int, seed: int) -> list[list[int]]:
     return out
 
 
-def build_stream(tokenizer, tokens: int, seed: int) -> Stream:
+def build_stream(tokenizer, tokens: int, seed: int, faker_seed: int | None = None, client_half: bool = True
+                 ) -> Stream:
     """Requests (half PII prompts, half document passages) in a seeded order until ``tokens`` tokens."""
     from aloepri.attacks.data import private_prompts
 
     pre, post = chat_wrapper(tokenizer)
     wrap = len(pre) + len(post)
-    docs = doc_passages(tokenizer, tokens // 2 + 1000, seed)
+    docs = doc_passages(tokenizer, tokens // 2 + 1000, seed, client_half)
     pii_needed = int(np.ceil(tokens / 2 / (85 + wrap))) + 50
-    pii = private_prompts(tokenizer, pii_needed, seed + 1)
+    pii = private_prompts(tokenizer, pii_needed, seed + 1 if faker_seed is None else faker_seed)
     reqs = [(list(i), list(m)) for i, m in zip(pii.plain_ids, pii.pii_mask)] + [(d, [False] * len(d)) for d in docs]
     order = np.random.default_rng(seed).permutation(len(reqs))
     ids, is_pii, is_tpl, ends = [], [], [], []
@@ -107,9 +111,13 @@ def build_stream(tokenizer, tokens: int, seed: int) -> Stream:
 
 def prior_ids(tokenizer, name: str, max_tokens: int, seed: int) -> np.ndarray:
     """The observer's reference token stream from a public corpus; '+template': request-sized pieces of it
-    (60-250 tokens) wrapped in the public chat template."""
+    (60-250 tokens) wrapped in the public chat template. 'same-distribution': the attacker's best case, traffic
+    made exactly like the client's (same chat template, same PII templates with other Faker values, the other
+    half of python-docs), sharing no document or PII value with it."""
     from aloepri.attacks.data import corpus, tokenize_texts
 
+    if name == "same-distribution":
+        return build_stream(tokenizer, max_tokens, seed, faker_seed=seed + 777, client_half=False).ids[:max_tokens]
     base, _, tpl = name.partition("+")
     ids = tokenize_texts(tokenizer, corpus(base), max_tokens)
     if not tpl:
