@@ -28,6 +28,7 @@ Run (one or two threads on a shared machine; the fine-tune is CPU-bound):
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -94,9 +95,16 @@ def packed_blocks(tokenizer, texts: list[str], seq: int, eos: int) -> torch.Tens
 
 
 @torch.no_grad()
-def drift(base, model, base_params: dict, eval_blocks: torch.Tensor, prompts: list[list[int]],
-          batch: int = 8) -> dict:
-    """How far a fine-tune moved from the base: weights and next-token distributions."""
+def log_probs(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Next-token log-probabilities (float32) of every position of every (batch of) sequence(s)."""
+    return [torch.log_softmax(model(input_ids=x if x.dim() == 2 else x[None]).logits.float(), -1) for x in seqs]
+
+
+@torch.no_grad()
+def drift(model, base_params: dict, seqs: dict[str, list[torch.Tensor]], base_lp: dict[str, list[torch.Tensor]]
+          ) -> dict:
+    """How far a fine-tune moved from the base: weights and next-token distributions (``base_lp``: the base
+    model's log-probabilities on the same ``seqs``, computed once)."""
     num = den = 0.0
     per: dict[str, float] = {}
     for name, p in model.named_parameters():
@@ -106,26 +114,19 @@ def drift(base, model, base_params: dict, eval_blocks: torch.Tensor, prompts: li
         if "embed_tokens" in name:
             per["embedding_relative_change"] = math.sqrt(d2 / b2)
     out = {"weights_relative_change": math.sqrt(num / den), **per}
-
-    def compare(seqs) -> dict:
-        kl = agree = n = 0.0
-        loss_b = loss_m = 0.0
-        for s in seqs:
-            x = s if s.dim() == 2 else s[None]
-            lb = torch.log_softmax(base(input_ids=x).logits.float(), -1)
-            lm = torch.log_softmax(model(input_ids=x).logits.float(), -1)
+    for part, batches in seqs.items():
+        kl = agree = n = m = loss_b = loss_m = 0.0
+        for x, lb, lm in zip(batches, base_lp[part], log_probs(model, batches)):
+            x = x if x.dim() == 2 else x[None]
             kl += float((lb.exp() * (lb - lm)).sum(-1).sum())
             agree += float((lb.argmax(-1) == lm.argmax(-1)).sum())
-            tgt = x[:, 1:]
-            loss_b += float(-lb[:, :-1].gather(-1, tgt[..., None]).sum())
-            loss_m += float(-lm[:, :-1].gather(-1, tgt[..., None]).sum())
+            tgt = x[:, 1:, None]
+            loss_b += float(-lb[:, :-1].gather(-1, tgt).sum())
+            loss_m += float(-lm[:, :-1].gather(-1, tgt).sum())
             n += x.numel()
-        m = n - sum((s if s.dim() == 2 else s[None]).shape[0] for s in seqs)
-        return {"mean_kl_base_to_finetune": kl / n, "top1_agreement": agree / n,
-                "loss_base": loss_b / m, "loss_finetune": loss_m / m, "tokens": int(n)}
-
-    out["held_out_text"] = compare([eval_blocks[i:i + batch] for i in range(0, len(eval_blocks), batch)])
-    out["pii_prompts"] = compare([torch.tensor(p) for p in prompts])
+            m += x.numel() - x.shape[0]
+        out[part] = {"mean_kl_base_to_finetune": kl / n, "top1_agreement": agree / n,
+                     "loss_base": loss_b / m, "loss_finetune": loss_m / m, "tokens": int(n)}
     return out
 
 
@@ -144,7 +145,7 @@ def finetune(args) -> None:
         return
     tok = load_hf_tokenizer(src)
     base = load_plain_model(src)
-    model = load_plain_model(src).train()
+    model = copy.deepcopy(base).train()
     # the GGUF loader marks the dequantized model as quantized, which save_pretrained refuses; it is float32 now
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -154,7 +155,11 @@ def finetune(args) -> None:
     eos = int(tok.eos_token_id)
     train = packed_blocks(tok, train_texts, args.seq, eos)
     held = packed_blocks(tok, held_texts, args.seq, eos)[: args.eval_blocks]
-    prompts = private_data(tok, 20, 0).plain_ids
+    prompts = private_data(tok, args.eval_prompts, 0).plain_ids
+    seqs = {"held_out_text": [held[i:i + 8] for i in range(0, len(held), 8)],
+            "pii_prompts": [torch.tensor(p) for p in prompts]}
+    base_lp = {k: log_probs(base, v) for k, v in seqs.items()}
+    del base  # only its weights (base_params) and log-probabilities are needed from here on
     print(f"train blocks {len(train)} x {args.seq}, held-out blocks {len(held)}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
@@ -175,8 +180,7 @@ def finetune(args) -> None:
             opt.step()
             losses.append(float(loss))
             step += 1
-            if step % 5 == 0:
-                print(f"step {step} loss {np.mean(losses[-5:]):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(f"step {step} loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
         d = work / f"ckpt-{target}"
         model.eval()
         if not (d / "config.json").exists():
@@ -189,7 +193,7 @@ def finetune(args) -> None:
                  "lr": args.lr, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "optimizer": "AdamW",
                  "method": "full fine-tuning (all weights), float32",
                  "train_seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
-                 **drift(base, model, base_params, held, prompts)}
+                 **drift(model, base_params, seqs, base_lp)}
         store = _save(RESULTS, f"drift/{target}", entry)
         print(f"checkpoint {target}: {json.dumps(entry)[:400]}", flush=True)
         model.train()
@@ -295,13 +299,14 @@ def plot(store: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", choices=["finetune", "attack"])
-    ap.add_argument("--steps", default="0,5,20,50")
+    ap.add_argument("--steps", default="0,3,10,30")
     ap.add_argument("--corpus", default="debian-reference")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--eval-blocks", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--eval-blocks", type=int, default=8)
+    ap.add_argument("--eval-prompts", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settings", default="lossless")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
