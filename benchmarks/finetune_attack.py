@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attack_tables import save_entry  # same directory: resumable JSON writing
+
 RESULTS = Path(__file__).parent / "results" / "finetune_attack.json"
 OBF_SEED = 1234
 SETTINGS = {
@@ -73,17 +75,6 @@ def setting_params(name: str):
 
 def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _save(path: Path, key: str, value: dict) -> dict:
-    """Merge one entry into the file as it is now and replace it atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    store = _load(path)
-    store[key] = value
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(store, indent=1, default=float) + "\n")
-    tmp.replace(path)
-    return store
 
 
 def split_corpus(name: str, held_out_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -260,7 +251,7 @@ def finetune(args) -> None:
                            "layer, merged into the weights for obfuscation; float32",
                  "train_seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
                  **drift(model, wrapped, base_sq, embed_sq, seqs, base_lp)}
-        store = _save(RESULTS, f"drift/{lbl}", entry)
+        save_entry(f"drift/{lbl}", entry, RESULTS)
         print(f"checkpoint {lbl}: {json.dumps(entry)[:400]}", flush=True)
         model.train()
 
@@ -309,7 +300,7 @@ def attack(args) -> None:
                 entry.update({"setting": setting, "steps": s, "params": setting_params(setting).to_dict(),
                               "attacker_reference": f"public base model {src.name}",
                               "obfuscated": f"fine-tune after {s} steps", "obfuscation_seed": OBF_SEED})
-                _save(RESULTS, f"{setting}/{s}/{name}/{args.budget}", entry)
+                save_entry(f"{setting}/{s}/{name}/{args.budget}", entry, RESULTS)
                 print(f"  TTRSR {entry['ttrsr']} PIIRSR {entry['piirsr']} ({entry['seconds']:.0f} s)", flush=True)
             del target
 

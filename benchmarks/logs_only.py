@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from attack_tables import save_entry  # same directory: resumable JSON writing
 
 RESULTS = Path(__file__).parent / "results" / "logs_only.json"
 VOLUMES = (1_000, 10_000, 100_000, 1_000_000)
@@ -206,15 +207,6 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _save(path: Path, key: str, value: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    store = _load(path)
-    store[key] = value
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(store, indent=1) + "\n")
-    tmp.replace(path)
-
-
 def render(store: dict) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     lines = ["| Attack | Observer's reference | Tokens observed | All tokens (%) | User text (%) | PII tokens (%) | "
@@ -303,7 +295,7 @@ def main(argv=None) -> int:
                     "requests_observed": int(np.searchsorted(stream.request_ends, sl.stop) + 1),
                     "seconds": round(time.perf_counter() - t1, 1), "seed": args.seed,
                     "stream": "SmolLM2 chat template; half Faker PII prompts, half python-docs passages"})
-        _save(RESULTS, f"{a}/{p}/{v}", res)
+        save_entry(f"{a}/{p}/{v}", res, RESULTS)
         print(f"{a}/{p}/{v}: all {res['token_recovery']:.3f} user {res['user_text_recovery']:.3f} "
               f"pii {res['pii_recovery']} ({res['seconds']} s) top {res['most_frequent_recovered'][:6]}", flush=True)
     print(render(_load(RESULTS)))
