@@ -391,18 +391,34 @@ def obfuscate_mlp(
     """W~_gate = Q diag(w) W_gate Z, W~_up = Q diag(w) W_up H Z, W~_down = Z^T H^-1 W_down P.
 
     SiLU acts elementwise, so a permutation Z commutes with it; H scales only the up branch, which enters
-    the Hadamard product linearly.
-    """
-    perm = _index(ffn_perm, gate)
-    scale = _t(ffn_scale, compute_dtype, gate.device)[perm]
-    # Z and H act on the intermediate units: permute and scale the plain weights (d wide) before the products
-    # (D wide) rather than gathering the products afterwards; the result is the same matrix.
-    # The weights may come in their stored precision: gathering first moves half the bytes, and the conversion
-    # to the compute dtype (exact when it is float64) happens in the same pass as the scaling.
-    g = transform_reader_input(gate.index_select(0, perm).to(compute_dtype), norm_weight, Q_gate)
-    u = transform_reader_input(up.index_select(0, perm).to(compute_dtype) * scale[:, None], norm_weight, Q_up)
-    d = transform_writer_output(down.index_select(1, perm).to(compute_dtype) / scale[None, :], P_down)
-    return g, u, d
+    the Hadamard product linearly. The three products are independent: mlp_reader / mlp_writer compute one each
+    (the pipeline reads, transforms and hands on one matrix at a time)."""
+    return (mlp_reader(gate, norm_weight, Q_gate, ffn_perm, None, compute_dtype),
+            mlp_reader(up, norm_weight, Q_up, ffn_perm, ffn_scale, compute_dtype),
+            mlp_writer(down, P_down, ffn_perm, ffn_scale, compute_dtype))
+
+
+def mlp_reader(weight: Tensor, norm_weight: Tensor, Q: np.ndarray, ffn_perm: np.ndarray,
+               ffn_scale: np.ndarray | None, compute_dtype: torch.dtype = torch.float64) -> Tensor:
+    """The gate (``ffn_scale`` None) or up projection of obfuscate_mlp: Q diag(w) W Z (H for up).
+
+    Z and H act on the intermediate units: the plain weight (d wide) is permuted and scaled before the product
+    (D wide) rather than the product gathered afterwards; the result is the same matrix. The weight may come in its
+    stored precision: gathering first moves half the bytes, and the conversion to the compute dtype (exact when it
+    is float64) happens in the same pass as the scaling."""
+    perm = _index(ffn_perm, weight)
+    rows = weight.index_select(0, perm).to(compute_dtype)
+    if ffn_scale is not None:
+        rows = rows * _t(ffn_scale, compute_dtype, weight.device)[perm][:, None]
+    return transform_reader_input(rows, norm_weight, Q)
+
+
+def mlp_writer(down: Tensor, P: np.ndarray, ffn_perm: np.ndarray, ffn_scale: np.ndarray,
+               compute_dtype: torch.dtype = torch.float64) -> Tensor:
+    """The down projection of obfuscate_mlp: Z^T H^-1 W_down P."""
+    perm = _index(ffn_perm, down)
+    scale = _t(ffn_scale, compute_dtype, down.device)[perm]
+    return transform_writer_output(down.index_select(1, perm).to(compute_dtype) / scale[None, :], P)
 
 
 # --- mixture of experts ----------------------------------------------------------------------------------
