@@ -121,11 +121,19 @@ def _special_ids(src: SourceCheckpoint) -> dict[str, Any]:
 
 
 def product_dtype(out_dtype: torch.dtype, params: ObfuscationParams) -> torch.dtype:
-    """The dtype the weight products run in. float64 for a float64 output and for a noiseless (``is_exact``)
-    preset, whose purpose is exactness: float32 products double its float32 logit error on Qwen2.5-Coder-0.5B.
-    float32 otherwise, about twice as fast: its rounding (1e-7 relative) is six orders below the noise the
-    preset adds (docs/performance.md, "Precision"; benchmarks/product_precision.py)."""
-    return torch.float64 if out_dtype == torch.float64 or params.is_exact else torch.float32
+    """The dtype the weight products run in: float32 unless the output is float64, or float32 and the preset is
+    noiseless (``is_exact``).
+
+    - float64 output: float64 products, nothing less is worth storing in it.
+    - float32 output of a noiseless preset: float64, because exactness is that preset's purpose and float32
+      products double its float32 logit error on Qwen2.5-Coder-0.5B (docs/performance.md, "Precision").
+    - 16-bit outputs: float32 whatever the preset. The storage rounding (2^-9 relative for bf16) is ~10^4 times a
+      float32 product's error: measured at width 2048 with a real key, 0.04% of bf16 entries (0.19% of fp16)
+      differ between float32 and float64 products, each by one rounding step (benchmarks/product_rounding.py).
+    - a noisy preset: float32, its rounding (1e-7 relative) six orders below the noise it adds."""
+    if out_dtype == torch.float64 or (params.is_exact and out_dtype == torch.float32):
+        return torch.float64
+    return torch.float32
 
 
 def check_key_matrix_memory(shape: ModelShape, params: ObfuscationParams) -> None:
