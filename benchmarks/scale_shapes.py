@@ -76,7 +76,7 @@ def timed(label, fn):
             key = label(args)
             blocks[key] = blocks.get(key, 0.0) + time.perf_counter() - t
     return run
-if hasattr(pipeline, "_obfuscate_layer"):
+if hasattr(pipeline, "obfuscate_embedding"):  # code from before ObfuscationResult.block_seconds
     pipeline._obfuscate_layer = timed(lambda a: f"layer {a[3]}", pipeline._obfuscate_layer)
     pipeline.obfuscate_embedding = timed(lambda a: "embedding", pipeline.obfuscate_embedding)
     pipeline.obfuscate_head = timed(lambda a: "head", pipeline.obfuscate_head)
@@ -160,7 +160,7 @@ def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides:
         t = time.perf_counter()
         write_synthetic_checkpoint(family, src, num_layers=layers, num_experts=experts)
         print(f"  wrote {src} in {time.perf_counter() - t:.0f} s", flush=True)
-    out_dir = workdir / f"{family}-obf"
+    out_dir = workdir / f"{family}-L{layers}-obf"
     try:
         r = run_child(CHILD, [str(src), str(out_dir), json.dumps(overrides), str(threads), device], threads,
                       workdir / f"{family}-L{layers}.log")
@@ -196,11 +196,14 @@ def equivalence_run(family: str, workdir: Path, threads: int, vocab: int, expert
     return r
 
 
-# Assumed float32 GEMM rates for the projection (not measured here): a 96-core AVX-512 server (96 cores x ~2.4 GHz x
-# 32-64 float32 FLOP/cycle = 7-15 TFLOP/s peak; ~5 TFLOP/s sustained in a large sgemm) and one H100 without TF32
-# (~50 TFLOP/s of plain float32: TF32's 10-bit mantissa is not the precision this method's products are checked in)
-ASSUMED_GEMM_GFLOPS = {"96-core client": 5000.0, "one GPU (H100, float32)": 50000.0}
-ASSUMED_DISK_GBPS = 2.0  # one NVMe drive, read and write together: a floor no GEMM rate removes
+# float32 GEMM rates for the projection. "this machine, idle": its 2-thread float32 2048^3 probe when nothing else
+# runs (217-228 GFLOP/s, docs/performance.md); the others are assumptions, not measurements: a 96-core AVX-512
+# server (96 cores x ~2.4 GHz x 32-64 float32 FLOP/cycle = 7-15 TFLOP/s peak; ~5 TFLOP/s sustained in a large
+# sgemm) and one H100 in plain float32 (~50 TFLOP/s; TF32's 10-bit mantissa is not the precision the products
+# are checked in)
+PROJECTION_GEMM_GFLOPS = {"this machine, idle (2 cores)": 220.0, "96-core client": 5000.0,
+                          "one GPU (H100, float32)": 50000.0}
+ASSUMED_DISK_GBPS = 2.0  # one NVMe drive for reading the source and writing the output: a floor no GEMM removes
 PAPER_MINUTES = {"qwen3-32b": ("R1-Distill-32B", 9.28), "qwen2.5-14b": ("R1-Distill-14B", 3.43),
                  "qwen3-30b-a3b": ("Qwen3-MoE-30B-A3B", 4.58), "deepseek-v3.1": ("DeepSeek-V3.1-Terminus", 482.38)}
 
@@ -215,38 +218,44 @@ def product_flops(cfg: dict, hidden: int) -> float:
                      if len(shape) == 2 and d in shape))
 
 
-def projection(run: dict) -> list[dict]:
-    """Full-model time per family from its measured blocks: the vocabulary blocks as measured, the decoder layers
-    at the rate its measured layers reached (FLOPs per second, so reduced expert counts scale by FLOPs), then the
-    same compute on the assumed GEMM rates at the same fraction of them."""
+def projection(run: dict, fraction: float | None = None) -> list[dict]:
+    """Full-model time per family: its products' FLOPs over the fraction of a float32 GEMM the measured run
+    reached (or ``fraction``), at each rate of PROJECTION_GEMM_GFLOPS; and the time to read and write its bf16
+    weights at ASSUMED_DISK_GBPS. Projections, not measurements."""
     from aloepri.testing.synthetic import synthetic_config, tensor_shapes
 
     rows = []
-    for fam, entry in run["families"].items():
-        t = entry.get("timing")
-        if not t or "error" in t:
+    for fam in synthetic_config.__globals__["FAMILIES"]:
+        t = run["families"].get(fam, {}).get("timing")
+        measured = t is not None and "error" not in t
+        f = fraction if fraction is not None else (t["fraction_of_float32_gemm"] if measured else None)
+        if f is None:
             continue
-        cfg_measured = synthetic_config(fam, t["num_layers"], None, t.get("num_experts"))
-        cfg_full = synthetic_config(fam)
-        D = t["hidden_size"]
-        vocab_flops = 2.0 * 2.0 * cfg_full["vocab_size"] * cfg_full["hidden_size"] * D
-        vocab_seconds = sum(v for k, v in t["block_seconds"].items() if not k.startswith("layer"))
-        layer_seconds = sum(v for k, v in t["block_seconds"].items() if k.startswith("layer"))
-        layer_rate = (product_flops(cfg_measured, D) - vocab_flops) / layer_seconds
-        full_flops = product_flops(cfg_full, D)
-        here = vocab_seconds + (full_flops - vocab_flops) / layer_rate
-        bytes_total = 2 * 2 * sum(math.prod(s) for _, s in tensor_shapes(cfg_full))  # bf16 read + bf16 written
-        row = {"family": fam, "full_tflop": full_flops / 1e12, "measured_layers": t["num_layers"],
-               "measured_experts": t.get("num_experts"), "this_machine_minutes": here / 60,
-               "this_machine_float32_gemm_gflops": t["float32_gemm_gflops"],
-               "fraction_of_float32_gemm": t["fraction_of_float32_gemm"],
-               "disk_floor_minutes": bytes_total / (ASSUMED_DISK_GBPS * 1e9) / 60}
-        for name, rate in ASSUMED_GEMM_GFLOPS.items():
-            row[name + " minutes"] = here * t["float32_gemm_gflops"] / rate / 60
+        cfg = synthetic_config(fam)
+        flops = product_flops(cfg, cfg["hidden_size"])
+        row = {"family": fam, "full_tflop": flops / 1e12, "fraction": f, "fraction_measured": measured,
+               "disk_floor_minutes": 2 * 2 * sum(math.prod(s) for _, s in tensor_shapes(cfg)) / (ASSUMED_DISK_GBPS * 1e9) / 60}
+        for name, rate in PROJECTION_GEMM_GFLOPS.items():
+            row[name] = flops / (f * rate * 1e9) / 60
         if fam in PAPER_MINUTES:
             row["paper"] = PAPER_MINUTES[fam]
         rows.append(row)
     return rows
+
+
+def _minutes(m: float) -> str:
+    return f"{m * 60:.0f} s" if m < 1 else f"{m:.0f} min" if m < 120 else f"{m / 60:.1f} h"
+
+
+def save(label: str, family: str, entry: dict, header: dict) -> None:
+    """Merge one family's entry into the results file as it is now (several runs may write it side by side)."""
+    out = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": {}}
+    run = out["runs"].setdefault(label, {**header, "families": {}})
+    run.update(header)
+    run["families"][family] = entry
+    tmp = RESULTS.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, RESULTS)
 
 
 def main() -> None:
@@ -267,26 +276,32 @@ def main() -> None:
     ap.add_argument("--equiv-experts", type=int, default=16)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--project", action="store_true", help="only print the full-model projection of --label's runs")
+    ap.add_argument("--fraction", type=float, default=None,
+                    help="with --project: the fraction of the GEMM rate to assume for every family")
     a = ap.parse_args()
     if a.project:
         out = json.loads(RESULTS.read_text())
-        rows = projection(out["runs"][a.label])
-        out["runs"][a.label]["projection"] = rows
+        fraction = a.fraction if a.fraction else None
+        rows = projection(out["runs"][a.label], fraction)
+        out["projection"] = {"label": a.label, "rows": rows, "gemm_gflops": PROJECTION_GEMM_GFLOPS,
+                             "disk_gbps": ASSUMED_DISK_GBPS}
         RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+        print("| family | product TFLOP | fraction of GEMM | " + " | ".join(PROJECTION_GEMM_GFLOPS) +
+              " | disk floor | the paper |")
+        print("|---" * (5 + len(PROJECTION_GEMM_GFLOPS)) + "|")
         for r in rows:
-            paper = f"; paper: {r['paper'][0]} {r['paper'][1]} min" if "paper" in r else ""
-            print(f"{r['family']}: {r['full_tflop']:.0f} TFLOP; this machine {r['this_machine_minutes']:.0f} min "
-                  f"(float32 GEMM {r['this_machine_float32_gemm_gflops']:.0f} GFLOP/s, run at "
-                  f"{r['fraction_of_float32_gemm']:.2f} of it); " + "; ".join(
-                      f"{k} {r[k + ' minutes']:.1f} min" for k in ASSUMED_GEMM_GFLOPS) +
-                  f"; disk floor {r['disk_floor_minutes']:.1f} min{paper}")
+            paper = f"{r['paper'][0]}: {r['paper'][1]:.0f} min" if "paper" in r else ""
+            frac = f"{r['fraction']:.2f}" + ("" if r["fraction_measured"] else " (assumed)")
+            print(f"| {r['family']} | {r['full_tflop']:.0f} | {frac} | " +
+                  " | ".join(_minutes(r[k]) for k in PROJECTION_GEMM_GFLOPS) +
+                  f" | {_minutes(r['disk_floor_minutes'])} | {paper} |")
         return
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     out = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": {}}
-    run = out["runs"].setdefault(a.label, {"machine": platform.processor() or platform.machine(),
-                                           "cpus": os.cpu_count(), "threads": a.threads, "families": {}})
-    run["code"] = git_revision()
+    header = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
+              "code": git_revision()}
+    run = out["runs"].get(a.label, {"families": {}})
     overrides = NOISY if a.noise == "noisy" else LOSSLESS
     for fam in a.families:
         entry = run["families"].get(fam, {})
@@ -297,8 +312,7 @@ def main() -> None:
                 entry["timing"]["noise"] = overrides
             except (RuntimeError, OSError) as e:
                 entry["timing"] = {"error": str(e)[-1500:]}
-            run["families"][fam] = entry
-            RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+            save(a.label, fam, entry, header)
             t = entry["timing"]
             if "error" in t:
                 print(f"{a.label}/{fam}: FAILED {t['error'][-400:]}", flush=True)
@@ -316,8 +330,7 @@ def main() -> None:
                 entry["equivalence"] = equivalence_run(fam, workdir, a.threads, a.equiv_vocab, a.equiv_experts)
             except (RuntimeError, OSError) as e:
                 entry["equivalence"] = {"error": str(e)[-1500:]}
-            run["families"][fam] = entry
-            RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+            save(a.label, fam, entry, header)
             e = entry["equivalence"]
             print(f"{a.label}/{fam} equivalence: " + (f"FAILED {e['error'][-400:]}" if "error" in e else
                   f"max logit error {e['max_logit_error']:.2e} of max |logit| {e['max_logit']:.2f} "
