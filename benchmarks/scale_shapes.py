@@ -150,15 +150,17 @@ def git_revision() -> str:
         return "unknown"
 
 
-def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides: dict, device: str) -> dict:
+def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides: dict, device: str,
+               vocab: int | None = None) -> dict:
     from aloepri.testing.synthetic import synthetic_config, write_synthetic_checkpoint
 
     experts = TIMING_EXPERTS.get(family)
-    src = workdir / (f"{family}-L{layers}" + ("" if experts is None else f"-E{experts}"))
+    src = workdir / (f"{family}-L{layers}" + ("" if experts is None else f"-E{experts}") +
+                     ("" if vocab is None else f"-V{vocab}"))
     if not (src / "config.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
         t = time.perf_counter()
-        write_synthetic_checkpoint(family, src, num_layers=layers, num_experts=experts)
+        write_synthetic_checkpoint(family, src, num_layers=layers, num_experts=experts, vocab_size=vocab)
         print(f"  wrote {src} in {time.perf_counter() - t:.0f} s", flush=True)
     out_dir = workdir / f"{family}-L{layers}-obf"
     try:
@@ -171,9 +173,9 @@ def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides:
     r["gflops_achieved"] = r["flops"] / r["wall_seconds"] / 1e9
     r["fraction_of_float32_gemm"] = r["gflops_achieved"] / r["float32_gemm_gflops"]
     r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
-    r["config"] = {k: v for k, v in synthetic_config(family, layers, None, experts).items()
+    r["config"] = {k: v for k, v in synthetic_config(family, layers, vocab, experts).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    r["num_layers"], r["num_experts"] = layers, experts
+    r["num_layers"], r["num_experts"], r["vocab_size"] = layers, experts, vocab
     r["source_bytes"] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     return r
 
@@ -218,20 +220,22 @@ def product_flops(cfg: dict, hidden: int) -> float:
                      if len(shape) == 2 and d in shape))
 
 
-def projection(run: dict, fraction: float | None = None) -> list[dict]:
+def projection(runs: list[dict], fraction: float | None = None, moe_fraction: float | None = None) -> list[dict]:
     """Full-model time per family: its products' FLOPs over the fraction of a float32 GEMM the measured run
-    reached (or ``fraction``), at each rate of PROJECTION_GEMM_GFLOPS; and the time to read and write its bf16
+    reached (the first of ``runs`` that measured it; ``fraction`` for the others), at each rate of PROJECTION_GEMM_GFLOPS; and the time to read and write its bf16
     weights at ASSUMED_DISK_GBPS. Projections, not measurements."""
     from aloepri.testing.synthetic import synthetic_config, tensor_shapes
 
     rows = []
     for fam in synthetic_config.__globals__["FAMILIES"]:
-        t = run["families"].get(fam, {}).get("timing")
-        measured = t is not None and "error" not in t
-        f = fraction if fraction is not None else (t["fraction_of_float32_gemm"] if measured else None)
+        timings = [r["families"].get(fam, {}).get("timing") for r in runs]
+        t = next((x for x in timings if x is not None and "error" not in x), None)
+        measured = t is not None
+        cfg = synthetic_config(fam)
+        is_moe = "num_experts" in cfg or "n_routed_experts" in cfg
+        f = t["fraction_of_float32_gemm"] if measured else (moe_fraction if is_moe else fraction)
         if f is None:
             continue
-        cfg = synthetic_config(fam)
         flops = product_flops(cfg, cfg["hidden_size"])
         row = {"family": fam, "full_tflop": flops / 1e12, "fraction": f, "fraction_measured": measured,
                "disk_floor_minutes": 2 * 2 * sum(math.prod(s) for _, s in tensor_shapes(cfg)) / (ASSUMED_DISK_GBPS * 1e9) / 60}
@@ -262,7 +266,8 @@ def main() -> None:
     from aloepri.testing.synthetic import FAMILIES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--label", required=True, help="name of this code state or run")
+    ap.add_argument("--label", required=True,
+                    help="name of this code state or run (--project: several, comma-separated, first wins)")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--layers", type=int, default=1, help="decoder layers (DeepSeek-V3.1: at least 4, to reach MoE)")
     ap.add_argument("--noise", choices=("noisy", "lossless"), default="noisy",
@@ -272,17 +277,22 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/aloepri-scale", help="where checkpoints are written (and removed)")
     ap.add_argument("--keep-sources", action="store_true", help="keep the synthetic checkpoints for a later run")
     ap.add_argument("--no-equivalence", dest="equivalence", action="store_false")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="reduced vocabulary for the timing run (per-layer timing of the wide families)")
     ap.add_argument("--equiv-vocab", type=int, default=4096)
     ap.add_argument("--equiv-experts", type=int, default=16)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--project", action="store_true", help="only print the full-model projection of --label's runs")
     ap.add_argument("--fraction", type=float, default=None,
-                    help="with --project: the fraction of the GEMM rate to assume for every family")
+                    help="with --project: the fraction of the GEMM rate to assume where no run measured one")
+    ap.add_argument("--moe-fraction", type=float, default=None,
+                    help="with --project: the same for mixture-of-experts families (default: --fraction)")
     a = ap.parse_args()
     if a.project:
         out = json.loads(RESULTS.read_text())
         fraction = a.fraction if a.fraction else None
-        rows = projection(out["runs"][a.label], fraction)
+        rows = projection([out["runs"][label] for label in a.label.split(",") if label in out["runs"]], fraction,
+                          a.moe_fraction or fraction)
         out["projection"] = {"label": a.label, "rows": rows, "gemm_gflops": PROJECTION_GEMM_GFLOPS,
                              "disk_gbps": ASSUMED_DISK_GBPS}
         RESULTS.write_text(json.dumps(out, indent=2) + "\n")
@@ -308,7 +318,7 @@ def main() -> None:
         layers = max(a.layers, TIMING_LAYERS.get(fam, 0))
         if "timing" not in entry or a.force:
             try:
-                entry["timing"] = timing_run(fam, layers, workdir, a.threads, overrides, a.device)
+                entry["timing"] = timing_run(fam, layers, workdir, a.threads, overrides, a.device, a.vocab)
                 entry["timing"]["noise"] = overrides
             except (RuntimeError, OSError) as e:
                 entry["timing"] = {"error": str(e)[-1500:]}
