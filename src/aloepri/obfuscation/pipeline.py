@@ -71,7 +71,14 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
 
     kw = {k: src_cfg[k] for k in spec.passthrough_config if k in src_cfg and src_cfg[k] is not None}
     if "rope_parameters" not in kw and "rope_theta" in src_cfg:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": src_cfg["rope_theta"]}
+        # a published config's scaling (Llama-3.1's "llama3", DeepSeek's "yarn") and its base in one entry: passed
+        # on as rope_scaling beside rope_parameters, the scaling would replace the parameters and the base would
+        # fall back to 10000 while the plaintext model loads with its own (500000 for Llama-3.1)
+        rope = dict(kw.pop("rope_scaling", None) or {"rope_type": "default"})
+        if "rope_type" not in rope and "type" in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope["rope_theta"] = src_cfg["rope_theta"]
+        kw["rope_parameters"] = rope
         kw.pop("rope_theta", None)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if kw.get(k) is not None:
