@@ -113,7 +113,7 @@ def probed_before(fn):  # a roofline probe before each vocabulary matrix too: th
 
 pipeline.obfuscate_embedding = probed_before(timed("vocab_products_noise", pipeline.obfuscate_embedding))
 pipeline.obfuscate_head = probed_before(timed("vocab_products_noise", pipeline.obfuscate_head))
-for f in ("obfuscate_attention", "obfuscate_mlp", "obfuscate_mla", "obfuscate_router", "pad_attention_heads",
+for f in ("obfuscate_attention", "mlp_reader", "mlp_writer", "obfuscate_mla", "obfuscate_router", "pad_attention_heads",
           "transform_reader_input"):
     setattr(blocks, f, timed("layer_products", getattr(blocks, f)))
 

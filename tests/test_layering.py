@@ -15,7 +15,7 @@ LAYERS = [
     ["aloepri.storage", "aloepri.models"],  # files on disk: atomic staging, safetensors reading, bundled weights
     ["aloepri.keyfile"],  # the secret key and its binding to one obfuscated model
     ["aloepri.obfuscation"],  # archs, params, secrets, transforms, block strategies, checkpoint I/O, the pipeline
-    ["aloepri.export", "aloepri.runtime"],  # GGUF export; in-process inference, tokenizers, fidelity
+    ["aloepri.export", "aloepri.runtime", "aloepri.testing"],  # GGUF export; in-process inference, tokenizers, fidelity; tiny/synthetic models
     ["aloepri.serving"],  # client SDK, proxy, local server, the shared OpenAI HTTP scaffold
     ["aloepri.attacks", "aloepri.eval"],  # attack suite; evaluation
     ["aloepri.tuning", "aloepri.baselines", "aloepri.audit"],  # parameter search; baseline methods; the audit

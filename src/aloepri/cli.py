@@ -48,10 +48,11 @@ def _params_from_args(a: argparse.Namespace) -> ObfuscationParams:
 
 def cmd_obfuscate(a: argparse.Namespace) -> int:
     from .models import resolve_model
-    from .obfuscation.pipeline import obfuscate
+    from .obfuscation.pipeline import obfuscate, obfuscation_device
 
     src = resolve_model(a.src)
     params = _params_from_args(a)
+    obfuscation_device(a.device)  # before the sensitivity pass a fisher preset runs
     shard_gb = finite_number("--max-shard-gb", a.max_shard_gb, 0.0, exclusive=True, maximum=1024.0)
     preset = a.preset or ("file" if a.preset_file else "default")
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
@@ -62,7 +63,7 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
         factors = fisher_noise_factors(src)
     res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
-                    allow_weak_seed=a.allow_weak_seed, noise_factors=factors)
+                    allow_weak_seed=a.allow_weak_seed, noise_factors=factors, device=a.device)
     if res.h != params.h:
         print(f"note: h raised from {params.h} to {res.h} so that the attention heads divide d+2h", file=sys.stderr)
     print(json.dumps({"output": str(res.output_dir), "key": str(res.key_path), "fingerprint": res.fingerprint,
@@ -197,6 +198,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="output dtype (default: the source's; float32 for GGUF)")
     p.add_argument("--max-shard-gb", type=float, default=0.25,
                    help="shard size; also bounds the write buffer, so peak memory grows with it")
+    p.add_argument("--device", default="cpu",
+                   help="where the weight products run: cpu (default), cuda or cuda:N; the secrets are drawn on the "
+                        "CPU either way, so a key gives the same model on every device")
     p.add_argument("--force", action="store_true", help="replace an existing output directory and key")
     p.add_argument("--quiet", action="store_true")
     _add_param_overrides(p)

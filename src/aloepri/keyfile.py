@@ -244,13 +244,19 @@ def existing_key_problem(key_path: Path, model_dir: Path) -> str:
             "model elsewhere, choose another --key-out")
 
 
+def fingerprint_begin(hasher: "hashlib._Hash", name: str, dtype, shape) -> None:
+    """The part of a tensor's fingerprint that precedes its bytes: name, dtype (torch), shape. The raw bytes follow
+    in order, whole or in row blocks (the same digest either way)."""
+    hasher.update(name.encode())
+    hasher.update(str(dtype).encode())
+    hasher.update(repr(tuple(shape)).encode())
+
+
 def fingerprint_update(hasher: "hashlib._Hash", name: str, tensor) -> None:
     """Feed one tensor (torch) into the fingerprint: name, dtype, shape, raw bytes."""
     import torch
 
-    hasher.update(name.encode())
-    hasher.update(str(tensor.dtype).encode())
-    hasher.update(repr(tuple(tensor.shape)).encode())
+    fingerprint_begin(hasher, name, tensor.dtype, tensor.shape)
     hasher.update(tensor.contiguous().view(torch.uint8).numpy())  # buffer protocol: no copy of a big matrix
 
 

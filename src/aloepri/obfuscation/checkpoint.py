@@ -14,12 +14,13 @@ import sys
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from ..storage.safetensors_dir import INDEX_FILE, SafetensorsDir, SafetensorsError
+from ..storage.safetensors_stream import StreamedFile
 from ..storage.sources import pretrained_kwargs
 from ..storage.staging import clean_stale, make_staging_dir, staging_prefix
 from .archs import (
@@ -472,6 +473,33 @@ class ShardedWriter:
         self._shard_files.append(fname)
         self._buffer = {}
         self._buffer_bytes = 0
+
+    def add_stream(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, blocks: Iterator[torch.Tensor],
+                   observe: Callable[[torch.Tensor], None] | None = None) -> None:
+        """A tensor that arrives in row blocks (blocks.StreamedTensor) goes into a shard of its own, written as the
+        blocks come: it is never whole in memory. ``observe`` sees every block, in order (the fingerprint)."""
+        if name in self._weight_map or name in self._buffer:
+            raise ValueError(f"tensor {name} written twice")
+        self._flush()  # the shards keep the order the tensors came in
+        self._wait()
+        fname = f"model-{len(self._shard_files) + 1:05d}.safetensors"
+        dtype_name = str(dtype).replace("torch.", "")
+        self._shard_files.append(fname)  # listed before it is written: a failure leaves it to the staging cleanup
+        f = StreamedFile(self.directory / fname, [(name, dtype_name, shape)])
+        try:
+            for block in blocks:
+                if block.dtype != dtype:
+                    raise ValueError(f"{name}: a block of dtype {block.dtype}, declared {dtype}")
+                block = block.contiguous()
+                if observe is not None:
+                    observe(block)
+                f.write(name, block)
+            f.close()
+        except BaseException:
+            f.abort()
+            raise
+        self._weight_map[name] = len(self._shard_files) - 1
+        self.total_bytes += f.total_bytes
 
     def _wait(self) -> None:
         if self._pending is not None:

@@ -1,4 +1,12 @@
-"""Offline obfuscation of a whole checkpoint, streamed layer by layer."""
+"""Offline obfuscation of a whole checkpoint, streamed layer by layer.
+
+The driver has three parts that plug together: ``plan_obfuscation`` decides everything before a weight is
+transformed (shapes, secrets, dtypes, device); ``obfuscated_tensors(plan)`` is a generator of the output tensors,
+block by block (the vocabulary matrices as row-block streams, blocks.VocabularyBlocks; every decoder layer's
+attention and feed-forward, blocks.py); the writer (checkpoint.ShardedWriter) consumes them into shards while the
+fingerprint is hashed beside it. Another source format is another reader, another device a ``device`` argument,
+another output format another consumer of the same generator.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -9,23 +17,25 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from ..keyfile import (FINGERPRINTED, MODEL_META_FILE, MODEL_META_FORMAT, KeyFile, check_key_outside,  # noqa: F401
-                       existing_key_problem, fingerprint_update, publish_key, recover_or_clean_staged_keys, stage_key)
+                       existing_key_problem, fingerprint_begin, fingerprint_update, publish_key,
+                       recover_or_clean_staged_keys, stage_key)
 from ..storage.staging import check_writable_destination
+from ..storage.devices import resolve_device
 from .archs import LINEAR_ROLES, ArchSpec
 from . import keymat
-from .blocks import LayerContext, attention_kind, feed_forward_kind
+from .blocks import VOCABULARY, LayerContext, StreamedTensor, attention_kind, feed_forward_kind
 from .checkpoint import (AtomicOutputDir, CheckpointError, ShardedWriter, SourceCheckpoint, clean_stale_outputs,
                          open_checkpoint)
 from .params import PRESETS, ObfuscationParams
 from .secrets import ModelShape, SecretSampler, effective_h, resolve_seed
-from .transforms import obfuscate_embedding, obfuscate_head, padded_rope_theta, split_norm_weight
+from .transforms import padded_rope_theta, split_norm_weight
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -40,6 +50,7 @@ class ObfuscationResult:
     seconds: float
     bytes_written: int
     flops: float
+    block_seconds: dict[str, float] | None = None  # wall time per block (embedding, head, layer i), writing included
 
 
 def model_shape(cfg: dict[str, Any], spec: ArchSpec) -> ModelShape:
@@ -61,7 +72,14 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
 
     kw = {k: src_cfg[k] for k in spec.passthrough_config if k in src_cfg and src_cfg[k] is not None}
     if "rope_parameters" not in kw and "rope_theta" in src_cfg:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": src_cfg["rope_theta"]}
+        # a published config's scaling (Llama-3.1's "llama3", DeepSeek's "yarn") and its base in one entry: passed
+        # on as rope_scaling beside rope_parameters, the scaling would replace the parameters and the base would
+        # fall back to 10000 while the plaintext model loads with its own (500000 for Llama-3.1)
+        rope = dict(kw.pop("rope_scaling", None) or {"rope_type": "default"})
+        if "rope_type" not in rope and "type" in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope["rope_theta"] = src_cfg["rope_theta"]
+        kw["rope_parameters"] = rope
         kw.pop("rope_theta", None)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if kw.get(k) is not None:
@@ -111,11 +129,19 @@ def _special_ids(src: SourceCheckpoint) -> dict[str, Any]:
 
 
 def product_dtype(out_dtype: torch.dtype, params: ObfuscationParams) -> torch.dtype:
-    """The dtype the weight products run in. float64 for a float64 output and for a noiseless (``is_exact``)
-    preset, whose purpose is exactness: float32 products double its float32 logit error on Qwen2.5-Coder-0.5B.
-    float32 otherwise, about twice as fast: its rounding (1e-7 relative) is six orders below the noise the
-    preset adds (docs/performance.md, "Precision"; benchmarks/product_precision.py)."""
-    return torch.float64 if out_dtype == torch.float64 or params.is_exact else torch.float32
+    """The dtype the weight products run in: float32 unless the output is float64, or float32 and the preset is
+    noiseless (``is_exact``).
+
+    - float64 output: float64 products, nothing less is worth storing in it.
+    - float32 output of a noiseless preset: float64, because exactness is that preset's purpose and float32
+      products double its float32 logit error on Qwen2.5-Coder-0.5B (docs/performance.md, "Precision").
+    - 16-bit outputs: float32 whatever the preset. The storage rounding (2^-9 relative for bf16) is ~10^4 times a
+      float32 product's error: measured at width 2048 with a real key, 0.04% of bf16 entries (0.19% of fp16)
+      differ between float32 and float64 products, each by one rounding step (benchmarks/product_rounding.py).
+    - a noisy preset: float32, its rounding (1e-7 relative) six orders below the noise it adds."""
+    if out_dtype == torch.float64 or (params.is_exact and out_dtype == torch.float32):
+        return torch.float64
+    return torch.float32
 
 
 def check_key_matrix_memory(shape: ModelShape, params: ObfuscationParams) -> None:
@@ -152,6 +178,7 @@ def obfuscate(
     progress: bool = True,
     allow_weak_seed: bool = False,
     noise_factors: tuple | None = None,
+    device: str = "cpu",
 ) -> ObfuscationResult:
     """Obfuscate ``src`` (HF checkpoint directory or .gguf) into ``out`` (server artifact) and ``key_out``.
 
@@ -163,6 +190,9 @@ def obfuscate(
     Every destination is checked before any work. The model is written into a temporary sibling directory and
     the key into a temporary sibling file (mode 0600); the model directory is renamed into place first, then
     the key. A rerun removes what a killed run left (see storage/staging.py) and never finds an orphan key in place.
+
+    ``device`` ("cpu", "cuda", "cuda:1", ...) runs the weight products there; the secrets are drawn on the CPU
+    from the key's streams whatever the device, so a seed gives the same model (up to the device's rounding).
     """
     t0 = time.perf_counter()
     out, key_out = Path(out).resolve(), Path(key_out).resolve()
@@ -179,6 +209,7 @@ def obfuscate(
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    device = obfuscation_device(device)
     clean_stale_outputs(out)
     recover_or_clean_staged_keys(key_out, out)
     if key_out.exists() and not overwrite:
@@ -189,7 +220,7 @@ def obfuscate(
     check_writable_destination(key_out, "key file")
     with _gc_paused(), contextlib.closing(open_checkpoint(src)) as source, keymat.single_threaded_blas():
         return _obfuscate_source(source, src, out, key_out, params, seed, dtype, max_shard_bytes, overwrite, progress,
-                                 t0, noise_factors)
+                                 t0, noise_factors, device)
 
 
 @contextlib.contextmanager
@@ -206,9 +237,37 @@ def _gc_paused():
             gc.enable()
 
 
-def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, params: ObfuscationParams, seed: int,
-                      dtype: str | None, max_shard_bytes: int, overwrite: bool, progress: bool,
-                      t0: float, noise_factors: tuple | None = None) -> ObfuscationResult:
+def obfuscation_device(device: str | torch.device | None) -> torch.device:
+    """The torch device the products run on (the one device check, storage.devices.resolve_device), limited to
+    cpu and cuda: the exact products are float64, which other accelerators (mps) do not run."""
+    dev = resolve_device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device type {dev.type!r} is not supported for obfuscation; use cpu or cuda")
+    return dev
+
+
+@dataclass
+class ObfuscationPlan:
+    """Everything decided before a weight is transformed: the source, shapes, secrets, dtypes and device.
+    ``flops`` counts the weight products as the generator runs them."""
+    source: SourceCheckpoint
+    spec: ArchSpec
+    shape: ModelShape
+    params: ObfuscationParams
+    secrets: SecretSampler
+    vocab_perm: np.ndarray
+    kappa: float
+    out_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    device: torch.device
+    has_qkv_bias: bool
+    noise_factors: tuple | None = None
+    flops: float = 0.0
+
+
+def plan_obfuscation(source: SourceCheckpoint, params: ObfuscationParams, seed: int, dtype: str | None = None,
+                     device: torch.device = torch.device("cpu"), noise_factors: tuple | None = None) -> ObfuscationPlan:
+    """Validate the source against its config, choose the dtypes and draw the secrets (on the CPU)."""
     source.validate()
     spec, cfg = source.spec, source.config
     shape = model_shape(cfg, spec)
@@ -218,61 +277,83 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         src_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         dtype = src_dtype if src_dtype in _DTYPES else "float32"
     out_dtype = _DTYPES[dtype]
-    compute_dtype = product_dtype(out_dtype, params)
     check_key_matrix_memory(shape, params)
-
     if params.outlier_dims >= shape.d:  # before the extra pass over the feed-forward weights
         raise ValueError(f"outlier_dims={params.outlier_dims} must be smaller than the hidden size {shape.d}")
     outliers = massive_activation_dims(source, shape.num_layers, params.outlier_dims) if params.outlier_dims else ()
     secrets = SecretSampler(seed, params, shape, outliers)
-    vocab_perm = secrets.vocab_permutation()
+    calib = None
+    if params.kappa_mode == "embedding":
+        embed = source.get("embed", dtype=None)
+        idx = secrets.rng("kappa-calibration").choice(embed.shape[0], size=min(4096, embed.shape[0]), replace=False)
+        calib = embed[torch.from_numpy(np.sort(idx))].to(torch.float64).numpy()
+        del embed
+    return ObfuscationPlan(source, spec, shape, params, secrets, secrets.vocab_permutation(), secrets.kappa(calib),
+                           out_dtype, product_dtype(out_dtype, params), device, source.has("q", 0, "bias"),
+                           noise_factors)
+
+
+def obfuscated_tensors(plan: ObfuscationPlan) -> Iterator[tuple[str, torch.Tensor] | StreamedTensor]:
+    """Every output tensor of the obfuscated model, in writing order: the embedding and the head (row-block
+    streams: consume each before asking for the next), the final norm, then decoder layer after decoder layer.
+    About one layer, or one source vocabulary matrix, is in memory at a time."""
+    yield from VOCABULARY.embedding(plan)
+    yield from VOCABULARY.head(plan)
+    for i in range(plan.shape.num_layers):
+        yield from _obfuscate_layer(plan, i)
+
+
+def _block_of(name: str) -> str:
+    """The block an output tensor belongs to, for timing: embedding, head or layer i."""
+    if name.startswith("model.layers."):
+        return "layer " + name.split(".")[2]
+    return "embedding" if name.startswith("model.embed_tokens") else "head"
+
+
+def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, params: ObfuscationParams, seed: int,
+                      dtype: str | None, max_shard_bytes: int, overwrite: bool, progress: bool,
+                      t0: float, noise_factors: tuple | None = None,
+                      device: torch.device = torch.device("cpu")) -> ObfuscationResult:
+    plan = plan_obfuscation(source, params, seed, dtype, device, noise_factors)
+    spec, cfg, shape, secrets, vocab_perm = plan.spec, source.config, plan.shape, plan.secrets, plan.vocab_perm
     D = secrets.hidden_size
-    flops = 0.0
     staged_key = writer = None
     staging = AtomicOutputDir(out, overwrite=overwrite)
-    # one worker thread overlaps the work that does not need the layers with them: the fingerprint's sha256 of
-    # the vocabulary matrices and the output config (the first use of transformers' config classes imports them);
-    # hashlib and torch's kernels release the GIL
+    # one worker thread overlaps the work that does not need the products with them: the fingerprint's sha256 of
+    # the vocabulary matrices (block by block, in order) and the output config (the first use of transformers'
+    # config classes imports them); hashlib and torch's kernels release the GIL
     background = ThreadPoolExecutor(max_workers=1)
+    block_seconds: dict[str, float] = {}
     try:
         writer = ShardedWriter(staging.tmp, max_shard_bytes)
         fp = hashlib.sha256()
         steps = tqdm(total=shape.num_layers + 2, desc="obfuscating", unit="block", disable=not progress)
-        has_qkv_bias = source.has("q", 0, "bias")
         out_cfg = background.submit(output_config, cfg, spec, shape, D, float(cfg.get("rms_norm_eps", 1e-6)),
-                                    has_qkv_bias, out_dtype, vocab_perm)
+                                    plan.has_qkv_bias, plan.out_dtype, vocab_perm)
+        hashed = []
 
-        embed = source.get("embed", dtype=None)  # stored precision; converted chunk by chunk
-        calib = None
-        if params.kappa_mode == "embedding":
-            idx = secrets.rng("kappa-calibration").choice(embed.shape[0], size=min(4096, embed.shape[0]), replace=False)
-            calib = embed[torch.from_numpy(np.sort(idx))].to(torch.float64).numpy()
-        kappa = secrets.kappa(calib)
-        f_embed, f_head = noise_factors if noise_factors is not None else (None, None)
-        e_obf = obfuscate_embedding(embed, vocab_perm, secrets.writer_P("embed"), params.alpha_e,
-                                    secrets.rng("noise", "embed"), out_dtype, params.noise_shape,
-                                    f_embed if params.alpha_e > 0 else None, compute_dtype)
-        flops += 2.0 * embed.shape[0] * shape.d * D
-        hashed = [background.submit(fingerprint_update, fp, "model.embed_tokens.weight", e_obf)]
-        writer.add("model.embed_tokens.weight", e_obf)
-        head_plain = embed if source.tied_embeddings else source.get("head", dtype=None)
-        del embed, e_obf
-        final_server_norm, final_reader_norm = split_norm_weight(source.get("final_norm"), kappa,
-                                                                 secrets.kept_columns, D)
-        h_obf = obfuscate_head(head_plain, final_reader_norm, vocab_perm, secrets.reader_Q("head"),
-                               params.alpha_h, secrets.rng("noise", "head"), out_dtype, params.noise_shape,
-                               f_head if params.alpha_h > 0 else None, compute_dtype)
-        flops += 2.0 * head_plain.shape[0] * shape.d * D
-        hashed.append(background.submit(fingerprint_update, fp, "lm_head.weight", h_obf))  # in order: one worker
-        writer.add("lm_head.weight", h_obf)
-        writer.add("model.norm.weight", final_server_norm.to(out_dtype))
-        del head_plain, h_obf
-        steps.update(2)
+        def hash_block(block: torch.Tensor) -> None:
+            hashed.append(background.submit(fp.update, block.view(torch.uint8).numpy()))
 
-        for i in range(shape.num_layers):
-            flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, kappa, has_qkv_bias, spec,
-                                      params, compute_dtype)
-            steps.update(1)
+        tensors = obfuscated_tensors(plan)
+        t, block = time.perf_counter(), None
+        for item in tensors:
+            name = item.name if isinstance(item, StreamedTensor) else item[0]
+            if _block_of(name) != block:
+                if block is not None:
+                    steps.update(1)
+                block = _block_of(name)
+            if isinstance(item, StreamedTensor):
+                if name in FINGERPRINTED:  # in FINGERPRINTED's order: the embedding, then the head
+                    hashed.append(background.submit(fingerprint_begin, fp, name, item.dtype, item.shape))
+                writer.add_stream(name, item.shape, item.dtype, item.blocks,
+                                  hash_block if name in FINGERPRINTED else None)
+            else:
+                writer.add(name, item[1])
+            now = time.perf_counter()
+            block_seconds[block] = block_seconds.get(block, 0.0) + now - t
+            t = now
+        steps.update(1)
         steps.close()
         writer.finish()
 
@@ -311,7 +392,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     finally:
         background.shutdown(cancel_futures=True)
     publish_key(staged_key, key_out)  # after the model: a key in place always has its model
-    return ObfuscationResult(out, key_out, fingerprint, D, secrets.h, time.perf_counter() - t0, writer.total_bytes, flops)
+    return ObfuscationResult(out, key_out, fingerprint, D, secrets.h, time.perf_counter() - t0, writer.total_bytes,
+                             plan.flops, block_seconds)
 
 
 def massive_activation_dims(source: SourceCheckpoint, num_layers: int, count: int) -> tuple:
@@ -344,24 +426,28 @@ def _has_role(source: SourceCheckpoint, role: str, layer: int) -> bool:
         return False
 
 
-def _obfuscate_layer(source: SourceCheckpoint, writer: ShardedWriter, secrets: SecretSampler, i: int,
-                     shape: ModelShape, out_dtype: torch.dtype, kappa: float, has_qkv_bias: bool,
-                     spec: ArchSpec, params: ObfuscationParams, compute_dtype: torch.dtype = torch.float64) -> float:
+def _obfuscate_layer(plan: ObfuscationPlan, i: int) -> Iterator[tuple[str, torch.Tensor]]:
     """One decoder layer: its attention block, then its feed-forward block, each by the strategy of its kind
-    (blocks.py). Returns FLOPs."""
+    (blocks.py). Yields its output tensors (CPU, output dtype) in writing order, a MoE layer's expert by expert;
+    adds its FLOPs to the plan."""
+    source, secrets, spec, out_dtype = plan.source, plan.secrets, plan.spec, plan.out_dtype
     prefix = f"model.layers.{i}."
     names = spec.hf_role_names()
+    ready: list[tuple[str, torch.Tensor]] = []
 
     def put(role: str, tensor: torch.Tensor, part: str = "weight", expert: int | None = None) -> None:
         name = prefix + names[role].format(e=expert)
-        writer.add(name + f".{part}" if role in LINEAR_ROLES else name, tensor.to(out_dtype))
+        ready.append((name + f".{part}" if role in LINEAR_ROLES else name, tensor.to(device="cpu", dtype=out_dtype)))
 
-    norms = {role: split_norm_weight(source.get(role, i), kappa, secrets.kept_columns, secrets.hidden_size)
+    norms = {role: split_norm_weight(source.get(role, i), plan.kappa, secrets.kept_columns, secrets.hidden_size)
              for role in ("attn_norm", "ffn_norm")}
-    ctx = LayerContext(source, secrets, shape, spec, params, has_qkv_bias, put,
-                       reader_norms={role: reader for role, (_, reader) in norms.items()}, compute_dtype=compute_dtype)
-    flops = attention_kind(spec).obfuscate(ctx, i)
-    writer.add(prefix + "input_layernorm.weight", norms["attn_norm"][0].to(out_dtype))
-    flops += feed_forward_kind(source, i).obfuscate(ctx, i)
-    writer.add(prefix + "post_attention_layernorm.weight", norms["ffn_norm"][0].to(out_dtype))
-    return flops
+    ctx = LayerContext(source, secrets, plan.shape, spec, plan.params, plan.has_qkv_bias, put,
+                       reader_norms={role: reader for role, (_, reader) in norms.items()},
+                       compute_dtype=plan.compute_dtype, device=plan.device)
+    for kind, norm_name, norm in ((attention_kind(spec), "input_layernorm.weight", norms["attn_norm"][0]),
+                                  (feed_forward_kind(source, i), "post_attention_layernorm.weight", norms["ffn_norm"][0])):
+        for flops in kind.steps(ctx, i):
+            plan.flops += flops
+            yield from ready
+            ready.clear()
+        yield prefix + norm_name, norm.to(out_dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -20,9 +21,15 @@ import torch
 Tensor = torch.Tensor
 
 
-def _t(a: np.ndarray | Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def _t(a: np.ndarray | Tensor, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
+    """A key (numpy, float64) as a tensor, converted to the dtype and moved to the device of the weight it meets."""
     t = a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
-    return t if dtype is None else t.to(dtype)
+    return t if dtype is None and device is None else t.to(dtype=dtype, device=device)
+
+
+def _index(a: np.ndarray, like: Tensor) -> Tensor:
+    """An index array (permutation, gather order) on the device of the tensor it indexes."""
+    return torch.from_numpy(np.asarray(a)).to(like.device)
 
 
 # --- residual-stream readers and writers ---------------------------------------------------------------
@@ -38,7 +45,7 @@ def transform_reader_input(weight: Tensor, norm_weight: Tensor | None, Q: np.nda
     right = _t(Q).T
     if norm_weight is not None:
         right = norm_weight.to(right.dtype)[:, None] * right
-    return weight @ right.to(weight.dtype)
+    return weight @ right.to(dtype=weight.dtype, device=weight.device)
 
 
 # Largest |norm weight| (in units of kappa) a kept dimension keeps on the server's norm (split_norm_weight):
@@ -71,11 +78,11 @@ def split_norm_weight(norm_weight: Tensor, kappa: float, kept_columns: dict[int,
 
 def transform_writer_output(weight: Tensor, P: np.ndarray) -> Tensor:
     """A linear layer that writes into the residual stream: W~ = W P  ->  HF layout (D, in) = P^T W_hf."""
-    return _t(P, weight.dtype).T @ weight
+    return _t(P, weight.dtype, weight.device).T @ weight
 
 
 def transform_writer_bias(bias: Tensor, P: np.ndarray) -> Tensor:
-    return bias @ _t(P, bias.dtype)
+    return bias @ _t(P, bias.dtype, bias.device)
 
 
 # --- embedding and head --------------------------------------------------------------------------------
@@ -117,37 +124,39 @@ def _noise_profile(weight: Tensor, shape: str, chunk_rows: int) -> tuple[Tensor,
     return col, float(np.sqrt(norms / n))  # rms row norm: the row-shaped noise keeps the total energy
 
 
-def _permute_noise_project(
+def permute_noise_project_blocks(
     weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float, rng: np.random.Generator,
     out_dtype: torch.dtype, column_scale: Tensor | None = None, chunk_rows: int = 8192, noise_shape: str = "isotropic",
-    noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64,
-) -> Tensor:
+    noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
+) -> Iterator[Tensor]:
     """Rows of a vocabulary matrix (n, d): permute, add alpha-scaled Gaussian noise (shaped by ``noise_shape``,
-    see _noise_profile), scale columns, multiply by ``right`` (d, D). Chunk by chunk in ``compute_dtype``, so
-    memory stays bounded by the input and output.
+    see _noise_profile), scale columns, multiply by ``right`` (d, D). Yields the result's rows in order, one block
+    of ``chunk_rows`` rows at a time in ``out_dtype`` on the CPU, so neither the result nor a wide copy of the
+    input is ever whole in memory.
 
     Drawing the noise costs more than the product, so every chunk has its own generator (seeded from ``rng``: the
-    result still depends on ``rng`` alone) and the next chunks are drawn by worker threads while the current one
-    is multiplied; numpy's generators release the GIL. The draws are float32 whatever the compute dtype (a
-    float32 Gaussian is as random as a float64 one, half the memory traffic, and the same noise either way)."""
+    result still depends on ``rng`` alone, and on the CPU whatever ``device`` runs the products) and the next
+    chunks are drawn by worker threads while the current one is multiplied; numpy's generators release the GIL.
+    The draws are float32 whatever the compute dtype (a float32 Gaussian is as random as a float64 one, half the
+    memory traffic, and the same noise either way)."""
     n, d = weight.shape
+    device = torch.device(device)
     if noise_shape not in NOISE_SHAPES:
         raise ValueError(f"noise_shape must be one of {NOISE_SHAPES}")
     if alpha > 0 and (noise_shape == "fisher") != (noise_factor is not None):
         raise ValueError("noise_shape 'fisher' needs a noise_factor (obfuscation/noise.py), and only it takes one")
-    factor_t = None if noise_factor is None else noise_factor.to(compute_dtype).T.contiguous()
+    factor_t = None if noise_factor is None else noise_factor.to(compute_dtype).T.contiguous().to(device)
     col_std, rms_norm = _noise_profile(weight, noise_shape, chunk_rows) if alpha > 0 else (None, 1.0)
     plain_rows = torch.from_numpy(np.argsort(vocab_perm))  # obfuscated row j holds plain token plain_rows[j]
     if column_scale is not None:  # diag(c) on the small (d, D) factor instead of on every chunk of rows
         right = column_scale.to(right.dtype)[:, None] * right
-    right = right.to(compute_dtype).contiguous()
-    out = torch.empty((n, right.shape[1]), dtype=out_dtype)
+    right = right.to(compute_dtype).contiguous().to(device)
     # buffers reused across chunks: fresh 50-80 MB allocations per chunk cost page faults, not arithmetic
-    rows_buf = torch.empty((chunk_rows, d), dtype=compute_dtype)
-    prod_buf = torch.empty((chunk_rows, right.shape[1]), dtype=compute_dtype)
+    rows_buf = torch.empty((chunk_rows, d), dtype=compute_dtype, device=device)
+    prod_buf = torch.empty((chunk_rows, right.shape[1]), dtype=compute_dtype, device=device)
     starts = list(range(0, n, chunk_rows))
     if alpha > 0:
-        col_std = col_std.to(compute_dtype)
+        col_std = col_std.to(compute_dtype).to(device)
         seeds = rng.integers(0, 2**63, size=(len(starts), 4))  # 252 bits per chunk, all from rng
     ahead = max(1, torch.get_num_threads()) if alpha > 0 else 0
     noise_bufs = [np.empty((chunk_rows, d), dtype=np.float32) for _ in range(ahead + 1)] if alpha > 0 else []
@@ -164,7 +173,8 @@ def _permute_noise_project(
             rows = rows_buf[: stop - start]
             rows.copy_(weight.index_select(0, plain_rows[start:stop]))
             if alpha > 0:
-                noise = torch.from_numpy(pending.pop(0).result()).to(compute_dtype)  # a copy only for float64
+                # a copy only for float64 or another device
+                noise = torch.from_numpy(pending.pop(0).result()).to(dtype=compute_dtype, device=device)
                 if k + ahead < len(starts):  # its buffer is free: chunk k - 1 is done with it
                     pending.append(pool.submit(draw, k + ahead))
                 if factor_t is not None:  # rows of z @ F^T: covariance F F^T (sensitivity-shaped, trace d)
@@ -175,24 +185,60 @@ def _permute_noise_project(
                 rows.add_(noise, alpha=alpha)
             prod = prod_buf[: stop - start]
             torch.matmul(rows, right, out=prod)
-            out[start:stop].copy_(prod)
+            yield prod.to(device="cpu", dtype=out_dtype, copy=True)  # its own memory: the buffer is reused
+
+
+def _permute_noise_project(weight: Tensor, vocab_perm: np.ndarray, right: Tensor, alpha: float,
+                           rng: np.random.Generator, out_dtype: torch.dtype, **kw) -> Tensor:
+    """permute_noise_project_blocks, gathered into one (n, D) tensor."""
+    return _gather(permute_noise_project_blocks(weight, vocab_perm, right, alpha, rng, out_dtype, **kw), weight.shape[0])
+
+
+def obfuscate_embedding_blocks(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,
+                               rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
+                               noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64,
+                               device: torch.device | str = "cpu") -> Iterator[Tensor]:
+    """W~_e = Pi (W_e + alpha sigma_e N) P, row block by row block; row vocab_perm[i] of the result is plain token i."""
+    return permute_noise_project_blocks(weight, vocab_perm, _t(P), alpha, rng, out_dtype, noise_shape=noise_shape,
+                                        noise_factor=noise_factor, compute_dtype=compute_dtype, device=device)
+
+
+def obfuscate_head_blocks(weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
+                          rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
+                          noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64,
+                          device: torch.device | str = "cpu") -> Iterator[Tensor]:
+    """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T, HF layout (n, D), row block by row block; row
+    vocab_perm[i] = plain token i."""
+    return permute_noise_project_blocks(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight,
+                                        noise_shape=noise_shape, noise_factor=noise_factor,
+                                        compute_dtype=compute_dtype, device=device)
+
+
+def _gather(blocks: Iterator[Tensor], rows: int) -> Tensor:
+    first = next(blocks)
+    out = torch.empty((rows, first.shape[1]), dtype=first.dtype)
+    out[: first.shape[0]] = first
+    start = first.shape[0]
+    for block in blocks:
+        out[start: start + block.shape[0]] = block
+        start += block.shape[0]
     return out
 
 
 def obfuscate_embedding(weight: Tensor, vocab_perm: np.ndarray, P: np.ndarray, alpha: float,
                         rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
                         noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64) -> Tensor:
-    """W~_e = Pi (W_e + alpha sigma_e N) P; row vocab_perm[i] of the result is plain token i."""
-    return _permute_noise_project(weight, vocab_perm, _t(P), alpha, rng, out_dtype, noise_shape=noise_shape,
-                                  noise_factor=noise_factor, compute_dtype=compute_dtype)
+    """obfuscate_embedding_blocks as one tensor."""
+    return _gather(obfuscate_embedding_blocks(weight, vocab_perm, P, alpha, rng, out_dtype, noise_shape, noise_factor,
+                                              compute_dtype), weight.shape[0])
 
 
 def obfuscate_head(weight: Tensor, norm_weight: Tensor, vocab_perm: np.ndarray, Q: np.ndarray, alpha: float,
                    rng: np.random.Generator, out_dtype: torch.dtype, noise_shape: str = "isotropic",
                    noise_factor: Tensor | None = None, compute_dtype: torch.dtype = torch.float64) -> Tensor:
-    """W~_h = Q diag(w_norm) (W_h + alpha sigma_h N) Pi^T; HF layout (n, D), row vocab_perm[i] = plain token i."""
-    return _permute_noise_project(weight, vocab_perm, _t(Q).T, alpha, rng, out_dtype, column_scale=norm_weight,
-                                  noise_shape=noise_shape, noise_factor=noise_factor, compute_dtype=compute_dtype)
+    """obfuscate_head_blocks as one tensor."""
+    return _gather(obfuscate_head_blocks(weight, norm_weight, vocab_perm, Q, alpha, rng, out_dtype, noise_shape,
+                                         noise_factor, compute_dtype), weight.shape[0])
 
 
 # --- attention -----------------------------------------------------------------------------------------
@@ -295,12 +341,12 @@ def obfuscate_attention(
     # Output-side maps M act on columns in math layout (x W M), i.e. rows in HF layout: rows -> M^T rows. They act
     # on the output rows, so they are applied to the plain weight's rows (d columns) before the reader product
     # (D columns), all heads in one batched product; the result is the same matrix.
-    q_src = torch.from_numpy(np.array([i for i, _ in sources]))
+    q_src = _index(np.array([i for i, _ in sources]), w["q"])
     q_grp = [g for _, g in sources]
-    kv_src = torch.from_numpy(np.asarray(secrets.kv_order))
+    kv_src = _index(secrets.kv_order, w["q"])
 
     def per_head(maps: list[np.ndarray], groups, t: Tensor, n: int, picked: Tensor) -> Tensor:
-        mt = torch.stack([_t(maps[g], t.dtype).T for g in groups])  # (slots, dh, dh)
+        mt = torch.stack([_t(maps[g], t.dtype, t.device).T for g in groups])  # (slots, dh, dh)
         return torch.bmm(mt, heads(t, n).index_select(0, picked)).reshape(-1, t.shape[1])
 
     out["q"] = transform_reader_input(per_head(secrets.q_maps, q_grp, w["q"], num_heads, q_src), norm_weight, Q_q)
@@ -310,18 +356,18 @@ def obfuscate_attention(
                                       norm_weight, Q_v)
     if "q_bias" in w:
         qb = heads(w["q_bias"], num_heads)
-        out["q_bias"] = torch.cat([qb[i] @ _t(secrets.q_maps[g], qb.dtype) for i, g in sources])
+        out["q_bias"] = torch.cat([qb[i] @ _t(secrets.q_maps[g], qb.dtype, qb.device) for i, g in sources])
     if "k_bias" in w:
         kb = heads(w["k_bias"], num_kv_heads)
-        out["k_bias"] = torch.cat([kb[g] @ _t(secrets.k_maps[g], kb.dtype) for g in secrets.kv_order])
+        out["k_bias"] = torch.cat([kb[g] @ _t(secrets.k_maps[g], kb.dtype, kb.device) for g in secrets.kv_order])
     if "v_bias" in w:
         vb = heads(w["v_bias"], num_kv_heads)
-        out["v_bias"] = torch.cat([vb[g] @ _t(secrets.vo_mix[g], vb.dtype) for g in secrets.kv_order])
+        out["v_bias"] = torch.cat([vb[g] @ _t(secrets.vo_mix[g], vb.dtype, vb.device) for g in secrets.kv_order])
 
     # o_proj: math rows of head i get U_vo^-1 of its kv group; then the writer's P on the output side.
     o_math = heads(w["o"].T, num_heads)  # (m, dh, d)
     vo_inv = [np.linalg.inv(m) for m in secrets.vo_mix]  # once per kv group, not once per q head
-    inv_t = torch.stack([_t(vo_inv[g], o_math.dtype) for g in q_grp])
+    inv_t = torch.stack([_t(vo_inv[g], o_math.dtype, o_math.device) for g in q_grp])
     o_rows = torch.bmm(inv_t, o_math.index_select(0, q_src)).reshape(-1, o_math.shape[2])  # (m dh, d)
     out["o"] = transform_writer_output(o_rows.T, P_o)  # HF layout (D, m dh) = P^T o_rows^T
     if "o_bias" in w:
@@ -329,8 +375,8 @@ def obfuscate_attention(
 
     if "q_norm" in w:
         order = np.concatenate([secrets.norm_order, secrets.norm_order + dh // 2])
-        out["q_norm"] = (w["q_norm"] * _t(secrets.q_norm_scale))[torch.from_numpy(order)]
-        out["k_norm"] = (w["k_norm"] * _t(secrets.k_norm_scale))[torch.from_numpy(order)]
+        out["q_norm"] = (w["q_norm"] * _t(secrets.q_norm_scale, device=w["q_norm"].device))[_index(order, w["q_norm"])]
+        out["k_norm"] = (w["k_norm"] * _t(secrets.k_norm_scale, device=w["k_norm"].device))[_index(order, w["k_norm"])]
     return out
 
 
@@ -345,18 +391,34 @@ def obfuscate_mlp(
     """W~_gate = Q diag(w) W_gate Z, W~_up = Q diag(w) W_up H Z, W~_down = Z^T H^-1 W_down P.
 
     SiLU acts elementwise, so a permutation Z commutes with it; H scales only the up branch, which enters
-    the Hadamard product linearly.
-    """
-    perm = torch.from_numpy(ffn_perm)
-    scale = _t(ffn_scale, compute_dtype)[perm]
-    # Z and H act on the intermediate units: permute and scale the plain weights (d wide) before the products
-    # (D wide) rather than gathering the products afterwards; the result is the same matrix.
-    # The weights may come in their stored precision: gathering first moves half the bytes, and the conversion
-    # to the compute dtype (exact when it is float64) happens in the same pass as the scaling.
-    g = transform_reader_input(gate.index_select(0, perm).to(compute_dtype), norm_weight, Q_gate)
-    u = transform_reader_input(up.index_select(0, perm).to(compute_dtype) * scale[:, None], norm_weight, Q_up)
-    d = transform_writer_output(down.index_select(1, perm).to(compute_dtype) / scale[None, :], P_down)
-    return g, u, d
+    the Hadamard product linearly. The three products are independent: mlp_reader / mlp_writer compute one each
+    (the pipeline reads, transforms and hands on one matrix at a time)."""
+    return (mlp_reader(gate, norm_weight, Q_gate, ffn_perm, None, compute_dtype),
+            mlp_reader(up, norm_weight, Q_up, ffn_perm, ffn_scale, compute_dtype),
+            mlp_writer(down, P_down, ffn_perm, ffn_scale, compute_dtype))
+
+
+def mlp_reader(weight: Tensor, norm_weight: Tensor, Q: np.ndarray, ffn_perm: np.ndarray,
+               ffn_scale: np.ndarray | None, compute_dtype: torch.dtype = torch.float64) -> Tensor:
+    """The gate (``ffn_scale`` None) or up projection of obfuscate_mlp: Q diag(w) W Z (H for up).
+
+    Z and H act on the intermediate units: the plain weight (d wide) is permuted and scaled before the product
+    (D wide) rather than the product gathered afterwards; the result is the same matrix. The weight may come in its
+    stored precision: gathering first moves half the bytes, and the conversion to the compute dtype (exact when it
+    is float64) happens in the same pass as the scaling."""
+    perm = _index(ffn_perm, weight)
+    rows = weight.index_select(0, perm).to(compute_dtype)
+    if ffn_scale is not None:
+        rows = rows * _t(ffn_scale, compute_dtype, weight.device)[perm][:, None]
+    return transform_reader_input(rows, norm_weight, Q)
+
+
+def mlp_writer(down: Tensor, P: np.ndarray, ffn_perm: np.ndarray, ffn_scale: np.ndarray,
+               compute_dtype: torch.dtype = torch.float64) -> Tensor:
+    """The down projection of obfuscate_mlp: Z^T H^-1 W_down P."""
+    perm = _index(ffn_perm, down)
+    scale = _t(ffn_scale, compute_dtype, down.device)[perm]
+    return transform_writer_output(down.index_select(1, perm).to(compute_dtype) / scale[None, :], P)
 
 
 # --- mixture of experts ----------------------------------------------------------------------------------
@@ -372,7 +434,8 @@ def obfuscate_router(weight: Tensor, norm_weight: Tensor, Q: np.ndarray, expert_
     w = weight
     if normalize:
         w = w / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    return transform_reader_input(w, norm_weight, Q)[torch.from_numpy(np.asarray(expert_order))]
+    out = transform_reader_input(w, norm_weight, Q)
+    return out[_index(expert_order, out)]
 
 
 # --- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------------------------------

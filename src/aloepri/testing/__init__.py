@@ -1,0 +1,1 @@
+"""Tiny and synthetic models for tests and benchmarks (no downloads)."""

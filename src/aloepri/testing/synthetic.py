@@ -1,0 +1,241 @@
+"""Random-weight checkpoints with the published widths of real model families, written shard by shard.
+
+``write_synthetic_checkpoint("llama-3.1-8b", directory, num_layers=2)`` writes a Hugging Face safetensors
+directory whose config.json carries the published values of Llama-3.1-8B (hidden size, heads, feed-forward and
+vocabulary width, RoPE) with fewer decoder layers, so obfuscation time and memory can be measured at full width
+on a machine that holds neither the real weights nor the real depth. Every tensor is drawn in row blocks and
+streamed into its shard (storage/safetensors_stream.py): memory stays at one block whatever the model's size.
+
+The weights are Gaussian with the scale a trained model's have (std 0.02, the families' ``initializer_range``;
+norm weights near 1), so products and their rounding behave as on the real model. They are not a language model:
+equivalence checks compare the obfuscated model's logits with this plaintext's, nothing more.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..storage.safetensors_dir import INDEX_FILE
+from ..storage.safetensors_stream import StreamedFile
+
+# config.json values as published with each model (bf16 releases; DeepSeek-V3.1 is released in FP8 and carries a
+# quantization_config there, left out here: these checkpoints are bf16)
+_LLAMA31 = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, attention_dropout=0.0,
+    bos_token_id=128000, eos_token_id=128001, hidden_act="silu", initializer_range=0.02,
+    max_position_embeddings=131072, mlp_bias=False, pretraining_tp=1, rms_norm_eps=1e-05,
+    rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, vocab_size=128256,
+)
+_QWEN3 = dict(
+    attention_bias=False, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, head_dim=128,
+    hidden_act="silu", initializer_range=0.02, max_position_embeddings=40960, rms_norm_eps=1e-06,
+    rope_scaling=None, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+    use_cache=True, use_sliding_window=False, vocab_size=151936,
+)
+_QWEN3_MOE = dict(
+    _QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, num_experts=128, num_experts_per_tok=8, output_router_logits=False,
+    router_aux_loss_coef=0.001,
+)
+
+PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(_LLAMA31, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                         num_hidden_layers=32, num_key_value_heads=8),
+    "llama-3.1-70b": dict(_LLAMA31, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                          num_hidden_layers=80, num_key_value_heads=8),
+    "qwen2.5-14b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_dropout=0.0, bos_token_id=151643,
+        eos_token_id=151643, hidden_act="silu", hidden_size=5120, initializer_range=0.02, intermediate_size=13824,
+        max_position_embeddings=131072, max_window_layers=48, num_attention_heads=40, num_hidden_layers=48,
+        num_key_value_heads=8, rms_norm_eps=1e-05, rope_theta=1000000.0, sliding_window=131072,
+        tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, use_sliding_window=False,
+        vocab_size=152064),
+    "qwen3-32b": dict(_QWEN3, architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=5120,
+                      intermediate_size=25600, max_window_layers=64, num_attention_heads=64, num_hidden_layers=64,
+                      num_key_value_heads=8),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, max_window_layers=48,
+                          moe_intermediate_size=768, num_attention_heads=32, num_hidden_layers=48,
+                          num_key_value_heads=4),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, max_window_layers=94,
+                            moe_intermediate_size=1536, num_attention_heads=64, num_hidden_layers=94,
+                            num_key_value_heads=4),
+    "deepseek-v3.1": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=False,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=1, first_k_dense_replace=3, hidden_act="silu",
+        hidden_size=7168, initializer_range=0.02, intermediate_size=18432, kv_lora_rank=512,
+        max_position_embeddings=163840, moe_intermediate_size=2048, moe_layer_freq=1, n_group=8,
+        n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128,
+        num_experts_per_tok=8, num_hidden_layers=61, num_key_value_heads=128, num_nextn_predict_layers=1,
+        q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-06,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"},
+        rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", tie_word_embeddings=False,
+        topk_group=4, topk_method="noaux_tc", torch_dtype="bfloat16", use_cache=True, v_head_dim=128,
+        vocab_size=129280),
+}
+FAMILIES = tuple(PUBLISHED_CONFIGS)
+
+WEIGHT_STD = 0.02  # the families' initializer_range; trained weights have about this scale
+_BLOCK_ELEMENTS = 1 << 24  # rows drawn per block: 16M values, 64 MB in float32
+
+
+def synthetic_config(family: str, num_layers: int | None = None, vocab_size: int | None = None,
+                     num_experts: int | None = None) -> dict[str, Any]:
+    """The published config of ``family`` with its depth, vocabulary or routed-expert count reduced."""
+    if family not in PUBLISHED_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; choose one of {list(FAMILIES)}")
+    cfg = json.loads(json.dumps(PUBLISHED_CONFIGS[family]))
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        cfg["num_hidden_layers"] = num_layers
+        if "max_window_layers" in cfg:
+            cfg["max_window_layers"] = min(cfg["max_window_layers"], num_layers)
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+        for k in ("bos_token_id", "eos_token_id"):
+            cfg[k] = min(cfg[k], vocab_size - 1)
+    if num_experts is not None:
+        key = "n_routed_experts" if "n_routed_experts" in cfg else "num_experts"
+        if key not in cfg:
+            raise ValueError(f"{family} has no routed experts")
+        groups = int(cfg.get("n_group") or 1)
+        if num_experts % groups:
+            raise ValueError(f"{family} routes over {groups} expert groups; num_experts must be a multiple of it")
+        cfg[key] = num_experts
+        cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], num_experts)
+        if "topk_group" in cfg:  # DeepSeek picks topk_group groups, then experts inside them
+            per_group = num_experts // groups
+            cfg["topk_group"] = max(cfg["topk_group"], -(-cfg["num_experts_per_tok"] // per_group))
+    return cfg
+
+
+def tensor_shapes(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a checkpoint with config ``cfg`` (Hugging Face names and layouts), in file order."""
+    d, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or d // heads
+    yield "model.embed_tokens.weight", (vocab, d)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (d,)
+        if cfg["model_type"] == "deepseek_v3":
+            q_rank, kv_rank = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+            nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+            yield p + "self_attn.q_a_proj.weight", (q_rank, d)
+            yield p + "self_attn.q_a_layernorm.weight", (q_rank,)
+            yield p + "self_attn.q_b_proj.weight", (heads * (nope + rope), q_rank)
+            yield p + "self_attn.kv_a_proj_with_mqa.weight", (kv_rank + rope, d)
+            yield p + "self_attn.kv_a_layernorm.weight", (kv_rank,)
+            yield p + "self_attn.kv_b_proj.weight", (heads * (nope + v), kv_rank)
+            yield p + "self_attn.o_proj.weight", (d, heads * v)
+        else:
+            yield p + "self_attn.q_proj.weight", (heads * head_dim, d)
+            yield p + "self_attn.k_proj.weight", (kv * head_dim, d)
+            yield p + "self_attn.v_proj.weight", (kv * head_dim, d)
+            if cfg["model_type"] == "qwen2":  # Qwen2's q/k/v carry biases
+                yield p + "self_attn.q_proj.bias", (heads * head_dim,)
+                yield p + "self_attn.k_proj.bias", (kv * head_dim,)
+                yield p + "self_attn.v_proj.bias", (kv * head_dim,)
+            yield p + "self_attn.o_proj.weight", (d, heads * head_dim)
+            if cfg["model_type"] in ("qwen3", "qwen3_moe"):
+                yield p + "self_attn.q_norm.weight", (head_dim,)
+                yield p + "self_attn.k_norm.weight", (head_dim,)
+        yield p + "post_attention_layernorm.weight", (d,)
+        yield from _feed_forward_shapes(cfg, i, p, d)
+    yield "model.norm.weight", (d,)
+    yield "lm_head.weight", (vocab, d)
+
+
+def _feed_forward_shapes(cfg: dict[str, Any], i: int, p: str, d: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    def swiglu(prefix: str, size: int):
+        yield prefix + "gate_proj.weight", (size, d)
+        yield prefix + "up_proj.weight", (size, d)
+        yield prefix + "down_proj.weight", (d, size)
+
+    if cfg["model_type"] == "deepseek_v3":
+        sparse = i >= cfg["first_k_dense_replace"]
+        experts = cfg["n_routed_experts"]
+    elif cfg["model_type"] == "qwen3_moe":
+        sparse = i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"] == 0
+        experts = cfg["num_experts"]
+    else:
+        sparse, experts = False, 0
+    if not sparse:
+        yield from swiglu(p + "mlp.", cfg["intermediate_size"])
+        return
+    yield p + "mlp.gate.weight", (experts, d)
+    if cfg["model_type"] == "deepseek_v3":
+        yield p + "mlp.gate.e_score_correction_bias", (experts,)
+    for e in range(experts):
+        yield from swiglu(p + f"mlp.experts.{e}.", cfg["moe_intermediate_size"])
+    if cfg.get("n_shared_experts"):
+        yield from swiglu(p + "mlp.shared_experts.", cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+
+
+def _draw(name: str, shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """Row blocks of one tensor: norms near 1, biases and weights N(0, WEIGHT_STD)."""
+    if len(shape) == 1:
+        if "norm" in name:
+            yield (1.0 + 0.1 * torch.randn(shape, generator=generator)).to(dtype)
+        else:  # biases, DeepSeek's routing correction bias
+            yield (WEIGHT_STD * torch.randn(shape, generator=generator)).to(dtype)
+        return
+    rows = max(1, _BLOCK_ELEMENTS // shape[1])
+    for start in range(0, shape[0], rows):
+        n = min(rows, shape[0] - start)
+        yield (WEIGHT_STD * torch.randn((n, shape[1]), generator=generator)).to(dtype)
+
+
+def write_synthetic_checkpoint(family: str, directory: str | Path, num_layers: int | None = None,
+                               vocab_size: int | None = None, num_experts: int | None = None,
+                               dtype: str = "bfloat16", seed: int = 0, max_shard_bytes: int = 2 << 30) -> Path:
+    """Write a random-weight checkpoint of ``family`` (see PUBLISHED_CONFIGS) into ``directory`` (created; it must
+    not hold a checkpoint already). Full width; ``num_layers`` / ``vocab_size`` / ``num_experts`` reduce depth,
+    vocabulary (for an equivalence reference that fits in memory) and routed experts per MoE layer.
+    Returns the directory."""
+    if dtype not in ("bfloat16", "float16", "float32", "float64"):
+        raise ValueError(f"dtype must be bfloat16, float16, float32 or float64, got {dtype!r}")
+    cfg = synthetic_config(family, num_layers, vocab_size, num_experts)
+    cfg["torch_dtype"] = dtype
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / INDEX_FILE).exists() or (out / "config.json").exists():
+        raise FileExistsError(f"{out} already holds a checkpoint")
+    tdtype = getattr(torch, dtype)
+    itemsize = torch.empty((), dtype=tdtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensor_shapes(cfg):
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    generator = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for k, entries in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        f = StreamedFile(out / fname, [(n, dtype, s) for n, s in entries])
+        try:
+            for name, shape in entries:
+                for block in _draw(name, shape, generator, tdtype):
+                    f.write(name, block)
+                weight_map[name] = fname
+        except BaseException:
+            f.abort()
+            raise
+        f.close()
+        total += f.total_bytes
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
