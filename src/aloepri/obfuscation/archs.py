@@ -53,6 +53,9 @@ HF_MOE_MLA_ROLES = {
 
 LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down", "router", "expert_gate", "expert_up", "expert_down",
                 "shared_gate", "shared_up", "shared_down", "shared_expert_gate", "q_a", "q_b", "kv_a", "kv_b")
+# Linear roles whose weights FP8 releases block-quantize (and an FP8 output quantizes): all but the routers and
+# Qwen2-MoE's one-row shared-expert gate, which engines build unquantized
+FP8_ROLES = tuple(r for r in LINEAR_ROLES if r not in ("router", "shared_expert_gate"))
 
 
 @dataclass(frozen=True)

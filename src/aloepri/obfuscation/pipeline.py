@@ -21,13 +21,17 @@ from ..storage.staging import check_writable_destination
 from .archs import LINEAR_ROLES, ArchSpec
 from . import keymat
 from .blocks import LayerContext, attention_kind, feed_forward_kind
-from .checkpoint import (AtomicOutputDir, CheckpointError, ShardedWriter, SourceCheckpoint, clean_stale_outputs,
-                         open_checkpoint)
+from .checkpoint import (AtomicOutputDir, BlockFp8Writer, CheckpointError, ShardedWriter, SourceCheckpoint,
+                         clean_stale_outputs, open_checkpoint)
+from .fp8 import RELEASE_BLOCK, BlockFp8
 from .params import ObfuscationParams
 from .secrets import ModelShape, SecretSampler, effective_h, resolve_seed
+from .sharding import check_tensor_parallel, layout_of
 from .transforms import obfuscate_embedding, obfuscate_head, padded_rope_theta, split_norm_weight
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+FP8 = "fp8"  # block-quantized float8_e4m3fn linear weights, the rest bfloat16 (the FP8 releases' format)
+OUTPUT_DTYPES = (*sorted(_DTYPES), FP8)
 
 
 @dataclass
@@ -92,6 +96,21 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
     return d
 
 
+def output_layout(source: SourceCheckpoint, shape: ModelShape, hidden: int):
+    """The widths of the output that a tensor-parallel engine splits (sharding.ShardLayout): the source's head
+    counts and feed-forward sizes; per-head width the source's, or hidden / heads where heads are padded."""
+    cfg, spec = source.config, source.spec
+    ffn = {}
+    if any(not source.is_moe_layer(i) for i in range(shape.num_layers)):
+        ffn["dense"] = int(cfg["intermediate_size"])
+    if spec.moe is not None and any(source.is_moe_layer(i) for i in range(shape.num_layers)):
+        ffn["expert"] = int(cfg[spec.moe.expert_intermediate_key])
+        if spec.moe.shared_expert:
+            ffn["shared expert"] = spec.moe.shared_intermediate_size(cfg)
+    head_dim = hidden // shape.num_heads if spec.pad_heads else shape.head_dim
+    return layout_of(cfg, spec.attention == "mla", head_dim, ffn)
+
+
 def _map_ids(ids: Any, perm: np.ndarray) -> Any:
     if isinstance(ids, list):
         return [int(perm[i]) for i in ids]
@@ -152,11 +171,15 @@ def obfuscate(
     progress: bool = True,
     allow_weak_seed: bool = False,
     noise_factors: tuple | None = None,
+    tp: int = 1,
 ) -> ObfuscationResult:
     """Obfuscate ``src`` (HF checkpoint directory or .gguf) into ``out`` (server artifact) and ``key_out``.
 
     ``seed`` is the whole secret: None (the default) draws 256 bits from the OS CSPRNG. An explicit seed of fewer
     than 128 bits is refused unless ``allow_weak_seed`` (a reproducible, insecure key: tests and benchmarks only).
+
+    ``dtype``: the output precision, one of OUTPUT_DTYPES; default the source's (``fp8`` for a block-quantized FP8
+    source, float32 for GGUF). ``tp``: refuse an output a ``tp``-GPU tensor-parallel engine could not split.
 
     Every destination is checked before any work. The model is written into a temporary sibling directory and
     the key into a temporary sibling file (mode 0600); the model directory is renamed into place first, then
@@ -173,8 +196,10 @@ def obfuscate(
                          "fisher_noise_factors(src) (the CLI computes them), and only it takes them")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(OUTPUT_DTYPES)}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer (the tensor-parallel GPU count), got {tp!r}")
     clean_stale_outputs(out)
     recover_or_clean_staged_keys(key_out, out)
     if key_out.exists() and not overwrite:
@@ -185,7 +210,7 @@ def obfuscate(
     check_writable_destination(key_out, "key file")
     with _gc_paused(), contextlib.closing(open_checkpoint(src)) as source, keymat.single_threaded_blas():
         return _obfuscate_source(source, src, out, key_out, params, seed, dtype, max_shard_bytes, overwrite, progress,
-                                 t0, noise_factors)
+                                 t0, noise_factors, tp)
 
 
 @contextlib.contextmanager
@@ -204,18 +229,24 @@ def _gc_paused():
 
 def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, params: ObfuscationParams, seed: int,
                       dtype: str | None, max_shard_bytes: int, overwrite: bool, progress: bool,
-                      t0: float, noise_factors: tuple | None = None) -> ObfuscationResult:
+                      t0: float, noise_factors: tuple | None = None, tp: int = 1) -> ObfuscationResult:
     source.validate()
     spec, cfg = source.spec, source.config
     shape = model_shape(cfg, spec)
     if shape.head_dim % 2:
         raise CheckpointError(f"head_dim {shape.head_dim} is odd; RoPE pairs need an even head_dim")
+    source_fp8 = getattr(source, "fp8", None)
     if dtype is None:
         src_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-        dtype = src_dtype if src_dtype in _DTYPES else "float32"
-    out_dtype = _DTYPES[dtype]
-    compute_dtype = product_dtype(out_dtype, params)
+        dtype = FP8 if source_fp8 is not None else src_dtype if src_dtype in _DTYPES else "float32"
+    fp8_out = (source_fp8 or BlockFp8(RELEASE_BLOCK)) if dtype == FP8 else None
+    # FP8 output: the layers hand float32 to the writer, which quantizes their linear weights; the rest bfloat16
+    out_dtype = torch.bfloat16 if fp8_out else _DTYPES[dtype]
+    layer_dtype = torch.float32 if fp8_out else out_dtype
+    compute_dtype = product_dtype(_DTYPES.get(dtype, torch.float32), params)
     check_key_matrix_memory(shape, params)
+    check_tensor_parallel(output_layout(source, shape, shape.d + 2 * effective_h(shape.d, params.h, shape.num_heads)),
+                          tp, fp8_out.block if fp8_out else None)
 
     if params.outlier_dims >= shape.d:  # before the extra pass over the feed-forward weights
         raise ValueError(f"outlier_dims={params.outlier_dims} must be smaller than the hidden size {shape.d}")
@@ -232,6 +263,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     background = ThreadPoolExecutor(max_workers=1)
     try:
         writer = ShardedWriter(staging.tmp, max_shard_bytes)
+        if fp8_out:
+            writer = BlockFp8Writer(writer, fp8_out, spec)
         fp = hashlib.sha256()
         steps = tqdm(total=shape.num_layers + 2, desc="obfuscating", unit="block", disable=not progress)
         has_qkv_bias = source.has("q", 0, "bias")
@@ -266,7 +299,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         steps.update(2)
 
         for i in range(shape.num_layers):
-            flops += _obfuscate_layer(source, writer, secrets, i, shape, out_dtype, kappa, has_qkv_bias, spec,
+            flops += _obfuscate_layer(source, writer, secrets, i, shape, layer_dtype, kappa, has_qkv_bias, spec,
                                       params, compute_dtype)
             steps.update(1)
         steps.close()
@@ -276,6 +309,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
             done.result()
         fingerprint = fp.hexdigest()
         out_cfg = out_cfg.result()
+        if fp8_out:
+            out_cfg["quantization_config"] = fp8_out.config()
         (staging.tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True, allow_nan=False) + "\n")
         special = _special_ids(source)
         gen = {k: _map_ids(v, vocab_perm) for k, v in special.items()}
