@@ -170,6 +170,8 @@ def test_fp8_output_from_an_unquantized_source_uses_release_blocks(tmp_path, cap
     assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
     back = open_checkpoint(out)
     assert back.fp8.block == (128, 128) and back.get("q", 0).dtype == torch.float64
+    rc, err = _run(capsys, ["export-gguf", out, "--outfile", tmp_path / "m.gguf", "--quiet"])
+    assert rc == 2 and "FP8 block-quantized weights" in _one_error_line(err, "export-gguf")
 
     narrow = build_tiny("llama", tmp_path / "narrow")  # q 48, k 16, gate 80 rows: no whole 128-row block
     rc, err = _run(capsys, _obfuscate_args(narrow, tmp_path / "out2", tmp_path / "k2.key", "--dtype", "fp8"))

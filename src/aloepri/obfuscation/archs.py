@@ -190,7 +190,7 @@ _DEEPSEEK = _COMMON + _MOE_COMMON + (
     "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
     "topk_group", "topk_method", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
     "qk_nope_head_dim", "v_head_dim", "rope_interleave", "attention_bias", "mlp_bias", "scoring_func",
-)  # num_nextn_predict_layers is not passed: the multi-token-prediction layers are not obfuscated, so not written
+)  # num_nextn_predict_layers is forced to 0: the multi-token-prediction layers are not written (docs/moe-mla.md)
 _DEEPSEEK_MOE = MoESpec(("n_routed_experts", "num_local_experts"), "first_k_dense", shared_expert=True, expert_groups_key="n_group")
 _DEEPSEEK_ROLES = {"shared_gate": "mlp.shared_experts.gate_proj", "shared_up": "mlp.shared_experts.up_proj",
                    "shared_down": "mlp.shared_experts.down_proj"}
