@@ -92,19 +92,16 @@ def to_fp8_release(src: Path, directory: Path, block: tuple[int, int], mtp: bool
     num_hidden_layers: enorm/hnorm, eh_proj on the concatenation of two normed vectors, its own decoder block and
     shared head), declared by num_nextn_predict_layers = 1."""
     import json
-    import re
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from aloepri.obfuscation.archs import FP8_ROLES, spec_for_hf
+    from aloepri.obfuscation.archs import fp8_weight_pattern, spec_for_hf
     from aloepri.obfuscation.fp8 import BlockFp8, quantize_blockwise, scale_name
 
     directory.mkdir(parents=True)
     cfg = json.loads((src / "config.json").read_text())
-    names = spec_for_hf(cfg["architectures"]).hf_role_names()
-    quantized = re.compile(r"model\.layers\.\d+\.(?:%s)\.weight" % "|".join(
-        re.escape(names[r]).replace(re.escape("{e}"), r"\d+") for r in FP8_ROLES))
+    quantized = fp8_weight_pattern(spec_for_hf(cfg["architectures"]))
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))

@@ -6,6 +6,7 @@ An unknown architecture is a hard error listing what is supported; there is no f
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,6 +202,13 @@ register(ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), (), "deepseek_v3", 
 register(ArchSpec("deepseek_v2", ("DeepseekV2ForCausalLM",), (), "deepseek_v2", "DeepseekV2ForCausalLM",
                   passthrough_config=_DEEPSEEK, attention="mla", moe=_DEEPSEEK_MOE, hf_roles=_DEEPSEEK_ROLES,
                   gguf_export=False))
+
+
+def fp8_weight_pattern(spec: ArchSpec) -> re.Pattern:
+    """Full names of the decoder-layer weights an FP8 checkpoint of ``spec`` stores block-quantized."""
+    names = spec.hf_role_names()
+    roles = "|".join(re.escape(names[r]).replace(re.escape("{e}"), r"\d+") for r in FP8_ROLES)
+    return re.compile(r"model\.layers\.\d+\.(?:%s)\.weight" % roles)
 
 
 def supported_architectures() -> list[str]:

@@ -9,7 +9,6 @@ import json
 import logging
 import mmap
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -29,9 +28,9 @@ from .archs import (
     GGUF_LAYER_ROLES,
     HF_GLOBAL_ROLES,
     HF_LAYER_PREFIX,
-    FP8_ROLES,
     LINEAR_ROLES,
     ArchSpec,
+    fp8_weight_pattern,
     spec_for_gguf,
     spec_for_hf,
 )
@@ -560,9 +559,7 @@ class BlockFp8Writer:
 
     def __init__(self, inner: ShardedWriter, fmt: BlockFp8, spec: ArchSpec, dtype: torch.dtype = torch.bfloat16):
         self.inner, self.fmt, self.dtype = inner, fmt, dtype
-        names = spec.hf_role_names()
-        self._quantized = re.compile(r"model\.layers\.\d+\.(?:%s)\.weight" % "|".join(
-            re.escape(names[r]).replace(re.escape("{e}"), r"\d+") for r in FP8_ROLES))
+        self._quantized = fp8_weight_pattern(spec)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self._quantized.fullmatch(name):
