@@ -235,7 +235,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     shape = model_shape(cfg, spec)
     if shape.head_dim % 2:
         raise CheckpointError(f"head_dim {shape.head_dim} is odd; RoPE pairs need an even head_dim")
-    source_fp8 = getattr(source, "fp8", None)
+    source_fp8 = source.fp8
     if dtype is None:
         src_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         dtype = FP8 if source_fp8 is not None else src_dtype if src_dtype in _DTYPES else "float32"
