@@ -110,6 +110,32 @@ def score(reference: list[torch.Tensor], model, key, ids_list) -> dict:
     return {"mean_kl": kl / n, "top1": agree / n, "positions": int(n)}
 
 
+def table(results: dict) -> str:
+    """Markdown: per model, plaintext and each setting (mean and range over keys) in every emulation."""
+    modes = ("bf16", "fp8_w", "fp8_w8a8")
+    lines = ["| model | weights | bf16 KL | FP8 weights KL | FP8 W8A8 KL | FP8 W8A8 top-1 | FP8 weight error |",
+             "|---|---|---|---|---|---|---|"]
+    models = sorted({k.split("/")[0] for k in results})
+    for model in models:
+        plain = results.get(f"{model}/plain")
+        groups: dict[str, list[dict]] = {}
+        for k, v in sorted(results.items()):
+            if k.startswith(model + "/") and k != f"{model}/plain":
+                groups.setdefault(v["setting"], []).append(v)
+        rows = [("plaintext", [plain])] if plain else []
+        rows += [(f"{s} ({len(v)} keys)", v) for s, v in groups.items()]
+        for label, entries in rows:
+            def cell(mode, field="mean_kl", fmt="{:.3g}"):
+                vals = [e[mode][field] for e in entries]
+                lo, hi = min(vals), max(vals)
+                return fmt.format(lo) if len(vals) == 1 or fmt.format(lo) == fmt.format(hi) else \
+                    f"{fmt.format(lo)}-{fmt.format(hi)}"
+            lines.append(f"| {model} | {label} | " + " | ".join(cell(m) for m in modes) + " | "
+                         + cell("fp8_w8a8", "top1", "{:.3f}") + " | " + cell("fp8_w", "weight_rel_error", "{:.4f}")
+                         + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen-coder"], choices=["smollm2", "qwen-coder"])
@@ -118,7 +144,12 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--table", action="store_true", help="print the markdown table of the saved results and exit")
+    ap.add_argument("--results", type=Path, default=RESULTS, help=f"JSON file (default {RESULTS.name})")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.results.read_text())))
+        return
     torch.set_num_threads(args.threads)
 
     import aloepri
@@ -129,13 +160,13 @@ def main() -> None:
     from aloepri.runtime.tokenizer import load_hf_tokenizer
     from transformers import AutoModelForCausalLM
 
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = json.loads(args.results.read_text()) if args.results.exists() else {}
 
     def save(k: str, entry: dict) -> None:
         entry["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         results[k] = entry
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
     modes = ("float32", "bf16", "fp8_w", "fp8_w8a8")
     for model in args.models:
