@@ -158,6 +158,7 @@ def main() -> None:
     from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
     from aloepri.runtime.inference import load_plain_model
     from aloepri.runtime.tokenizer import load_hf_tokenizer
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
@@ -180,7 +181,9 @@ def main() -> None:
         plain32 = load_plain_model(src, torch.float32)
         reference = reference_log_probs(plain32, ids_list)
         plain_dir = Path(tempfile.mkdtemp(prefix="aloepri-fp8-plain-"))
-        plain32.save_pretrained(plain_dir)  # each emulation reloads it: one model in memory at a time
+        # each emulation reloads it (one model in memory at a time); save_pretrained refuses GGUF-loaded models
+        save_model(plain32, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
+        plain32.config.save_pretrained(plain_dir)
         del plain32
         common = {"model": model, "source": src.name, "corpus": prov, "texts": len(ids_list), "block": [128, 128],
                   "activation_group": GROUP}
