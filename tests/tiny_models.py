@@ -83,3 +83,88 @@ def build_tiny(arch: str, directory: Path, seed: int = 0, **overrides) -> Path:
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory)
     return directory
+
+
+def to_fp8_release(src: Path, directory: Path, block: tuple[int, int], mtp: bool = False) -> Path:
+    """A copy of the tiny checkpoint ``src`` in the FP8 release format (DeepSeek-V3, Qwen3-FP8): every linear weight
+    of archs.FP8_ROLES as float8_e4m3fn plus its float32 ``weight_scale_inv`` per ``block``, the rest bfloat16, a
+    ``quantization_config`` in config.json. ``mtp``: also a DeepSeek multi-token-prediction layer (index
+    num_hidden_layers: enorm/hnorm, eh_proj on the concatenation of two normed vectors, its own decoder block and
+    shared head), declared by num_nextn_predict_layers = 1."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from aloepri.obfuscation.archs import fp8_weight_pattern, spec_for_hf
+    from aloepri.obfuscation.fp8 import BlockFp8, quantize_blockwise, scale_name
+
+    directory.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    quantized = fp8_weight_pattern(spec_for_hf(cfg["architectures"]))
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if mtp:
+        n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
+        last = f"model.layers.{n - 1}."
+        g = torch.Generator().manual_seed(5)
+        for name in [k for k in tensors if k.startswith(last)]:
+            tensors[f"model.layers.{n}." + name[len(last):]] = tensors[name] + 0.01 * torch.randn(
+                tensors[name].shape, generator=g, dtype=tensors[name].dtype)
+        prefix = f"model.layers.{n}."
+        tensors[prefix + "enorm.weight"] = torch.ones(d, dtype=torch.float64)
+        tensors[prefix + "hnorm.weight"] = torch.ones(d, dtype=torch.float64)
+        tensors[prefix + "eh_proj.weight"] = 0.2 * torch.randn(d, 2 * d, generator=g, dtype=torch.float64)
+        tensors[prefix + "shared_head.norm.weight"] = torch.ones(d, dtype=torch.float64)
+        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        cfg["num_nextn_predict_layers"] = 1
+    out = {}
+    for name, t in tensors.items():
+        if quantized.fullmatch(name) or name.endswith("eh_proj.weight"):
+            out[name], out[scale_name(name)] = quantize_blockwise(t, block)
+        else:
+            out[name] = t.to(torch.bfloat16)
+    save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = BlockFp8(block).config()
+    cfg["torch_dtype"] = "bfloat16"
+    cfg.pop("dtype", None)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    for extra in ("generation_config.json",):
+        if (src / extra).is_file():
+            shutil.copy(src / extra, directory / extra)
+    return directory
+
+
+def dequantized_copy(src: Path, directory: Path) -> Path:
+    """The FP8 checkpoint ``src`` dequantized into float64 by aloepri's functions, quantization_config removed:
+    what `exact` must reproduce, loadable by the stock classes on CPU."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from aloepri.obfuscation.fp8 import SCALE_SUFFIX, dequantize_blockwise, parse_quantization_config, scale_name
+    from aloepri.storage.safetensors_dir import SafetensorsDir
+
+    cfg = json.loads((src / "config.json").read_text())
+    block = parse_quantization_config(cfg).block
+    stored = SafetensorsDir(src)
+    out = {}
+    for name in stored.names():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        if stored.dtype(name) == "F8_E4M3":
+            t = dequantize_blockwise(stored.get(name, fp8=True), stored.get(scale_name(name)), block)
+        else:
+            t = stored.get(name)
+        out[name] = t.to(torch.float64)
+    directory.mkdir(parents=True)
+    save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float64"
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    if (src / "generation_config.json").is_file():
+        shutil.copy(src / "generation_config.json", directory / "generation_config.json")
+    return directory

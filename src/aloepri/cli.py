@@ -63,7 +63,7 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
         factors = fisher_noise_factors(src)
     res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
-                    allow_weak_seed=a.allow_weak_seed, noise_factors=factors, device=a.device)
+                    allow_weak_seed=a.allow_weak_seed, noise_factors=factors, device=a.device, tp=a.tp)
     if res.h != params.h:
         print(f"note: h raised from {params.h} to {res.h} so that the attention heads divide d+2h", file=sys.stderr)
     print(json.dumps({"output": str(res.output_dir), "key": str(res.key_path), "fingerprint": res.fingerprint,
@@ -194,8 +194,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "the public model (docs/security.md)")
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
     _add_seed_options(p)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default=None,
-                   help="output dtype (default: the source's; float32 for GGUF)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64", "fp8"], default=None,
+                   help="output precision (default: the source's; float32 for GGUF). fp8: linear weights "
+                        "block-quantized float8_e4m3fn with a quantization_config vLLM and SGLang read, the rest "
+                        "bfloat16 (the default for an FP8 source)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="refuse an output that a tensor-parallel engine on N GPUs could not split (head counts, "
+                        "feed-forward sizes, FP8 blocks per GPU); default 1")
     p.add_argument("--max-shard-gb", type=float, default=0.25,
                    help="shard size; also bounds the write buffer, so peak memory grows with it")
     p.add_argument("--device", default="cpu",

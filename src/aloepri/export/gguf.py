@@ -264,6 +264,9 @@ def export_gguf(model_dir: str | Path, outfile: str | Path, qtype: str = "f32", 
         raise GGUFExportError(f"GGUF export supports dense Llama/Mistral/Qwen2/Qwen3 models; {spec.name} (MoE or MLA) "
                               "is served from the obfuscated safetensors directory (transformers/vLLM/SGLang, "
                               "docs/moe-mla.md)")
+    if cfg.get("quantization_config"):
+        raise GGUFExportError(f"{model_dir} holds FP8 block-quantized weights (served as they are by vLLM/SGLang); "
+                              "for GGUF obfuscate with --dtype float32 or bfloat16 and export that")
     if spec.name not in GGUF_ARCH or cfg.get("model_type") not in ("llama", "mistral", "qwen3"):
         raise GGUFExportError(f"GGUF export supports obfuscated Llama/Mistral/Qwen3 directories, not {cfg.get('architectures')}")
     arch = GGUF_ARCH[spec.name]

@@ -6,6 +6,7 @@ An unknown architecture is a hard error listing what is supported; there is no f
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,9 @@ HF_MOE_MLA_ROLES = {
 
 LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down", "router", "expert_gate", "expert_up", "expert_down",
                 "shared_gate", "shared_up", "shared_down", "shared_expert_gate", "q_a", "q_b", "kv_a", "kv_b")
+# Linear roles whose weights FP8 releases block-quantize (and an FP8 output quantizes): all but the routers and
+# Qwen2-MoE's one-row shared-expert gate, which engines build unquantized
+FP8_ROLES = tuple(r for r in LINEAR_ROLES if r not in ("router", "shared_expert_gate"))
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,7 @@ _DEEPSEEK = _COMMON + _MOE_COMMON + (
     "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
     "topk_group", "topk_method", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
     "qk_nope_head_dim", "v_head_dim", "rope_interleave", "attention_bias", "mlp_bias", "scoring_func",
-)  # num_nextn_predict_layers is not passed: the multi-token-prediction layers are not obfuscated, so not written
+)  # num_nextn_predict_layers is forced to 0: the multi-token-prediction layers are not written (docs/moe-mla.md)
 _DEEPSEEK_MOE = MoESpec(("n_routed_experts", "num_local_experts"), "first_k_dense", shared_expert=True, expert_groups_key="n_group")
 _DEEPSEEK_ROLES = {"shared_gate": "mlp.shared_experts.gate_proj", "shared_up": "mlp.shared_experts.up_proj",
                    "shared_down": "mlp.shared_experts.down_proj"}
@@ -198,6 +202,13 @@ register(ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), (), "deepseek_v3", 
 register(ArchSpec("deepseek_v2", ("DeepseekV2ForCausalLM",), (), "deepseek_v2", "DeepseekV2ForCausalLM",
                   passthrough_config=_DEEPSEEK, attention="mla", moe=_DEEPSEEK_MOE, hf_roles=_DEEPSEEK_ROLES,
                   gguf_export=False))
+
+
+def fp8_weight_pattern(spec: ArchSpec) -> re.Pattern:
+    """Full names of the decoder-layer weights an FP8 checkpoint of ``spec`` stores block-quantized."""
+    names = spec.hf_role_names()
+    roles = "|".join(re.escape(names[r]).replace(re.escape("{e}"), r"\d+") for r in FP8_ROLES)
+    return re.compile(r"model\.layers\.\d+\.(?:%s)\.weight" % roles)
 
 
 def supported_architectures() -> list[str]:

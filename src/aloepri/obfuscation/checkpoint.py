@@ -31,9 +31,12 @@ from .archs import (
     HF_LAYER_PREFIX,
     LINEAR_ROLES,
     ArchSpec,
+    fp8_weight_pattern,
     spec_for_gguf,
     spec_for_hf,
 )
+from .fp8 import (BlockFp8, Fp8FormatError, check_scale, dequantize_blockwise, parse_quantization_config,
+                  quantize_blockwise, scale_name)
 
 
 class CheckpointError(ValueError):
@@ -56,6 +59,7 @@ class SourceCheckpoint:
     config: dict[str, Any]
     spec: ArchSpec
     path: Path
+    fp8: BlockFp8 | None = None  # the block format of an FP8 source (its linear weights are read dequantized)
 
     def name_of(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
         raise NotImplementedError
@@ -100,6 +104,10 @@ class SourceCheckpoint:
                 "re-download or re-convert the checkpoint"
             )
         self._validate_shapes()
+        self._validate_quantized([self.name_of(*r) for r in required])
+
+    def _validate_quantized(self, names: list[str]) -> None:
+        """Quantized tensors among ``names`` must come with what dequantizes them (checked before any work)."""
 
     def tensor_shape(self, name: str) -> list[int]:
         """Shape of a stored tensor in Hugging Face order ([out, in]), without reading its data."""
@@ -176,6 +184,10 @@ class SafetensorsCheckpoint(SourceCheckpoint):
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
         self.spec = spec_for_hf(self.config.get("architectures"))
         try:
+            self.fp8 = parse_quantization_config(self.config)  # None: unquantized
+        except Fp8FormatError as e:
+            raise CheckpointError(f"{cfg_path}: {e}") from None
+        try:
             self._tensors = SafetensorsDir(self.path)
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from None
@@ -191,10 +203,40 @@ class SafetensorsCheckpoint(SourceCheckpoint):
         if not self._tensors.has(name):
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint index")
         try:
-            t = self._tensors.get(name)
+            if self._is_fp8(name):  # dequantized in float32 (the releases' arithmetic); None keeps float32
+                self._validate_quantized([name])
+                t = dequantize_blockwise(self._tensors.get(name, fp8=True), self._tensors.get(scale_name(name)),
+                                         self.fp8.block)
+            else:
+                t = self._tensors.get(name)
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from None
         return t if dtype is None else t.to(dtype)
+
+    def _is_fp8(self, name: str) -> bool:
+        return self._tensors.dtype(name).startswith("F8_")
+
+    def _validate_quantized(self, names):
+        for name in names:
+            if not self._tensors.has(name) or not self._is_fp8(name):
+                continue
+            if self.fp8 is None:
+                raise CheckpointError(f"{self.path}: tensor {name} is stored as {self._tensors.dtype(name)} but "
+                                      "config.json has no quantization_config saying how to dequantize it")
+            if self._tensors.dtype(name) != "F8_E4M3":
+                raise CheckpointError(f"{self.path}: tensor {name} is stored as {self._tensors.dtype(name)}; "
+                                      "the FP8 format declared in config.json is e4m3 (F8_E4M3)")
+            if not name.endswith(".weight") or len(self._tensors.shape(name)) != 2:
+                raise CheckpointError(f"{self.path}: tensor {name} is FP8, but only 2-D linear weights are "
+                                      "block-quantized")
+            scale = scale_name(name)
+            if not self._tensors.has(scale):
+                raise CheckpointError(f"{self.path}: FP8 tensor {name} has no {scale}; the checkpoint is "
+                                      "incomplete (re-download it)")
+            try:
+                check_scale(self.fp8, name, self._tensors.shape(name), self._tensors.shape(scale))
+            except Fp8FormatError as e:
+                raise CheckpointError(f"{self.path}: {e}") from None
 
     def tensor_shape(self, name):
         return self._tensors.shape(name)
@@ -536,6 +578,43 @@ class ShardedWriter:
             "weight_map": {k: final_names[v] for k, v in sorted(self._weight_map.items())},
         }
         (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+class BlockFp8Writer:
+    """A ShardedWriter that stores the linear weights of the FP8 roles (archs.FP8_ROLES) block-quantized, each
+    with its ``weight_scale_inv``, and every other tensor in ``dtype`` (bfloat16: embedding, head, norms, routers,
+    biases stay unquantized, as in the FP8 releases)."""
+
+    def __init__(self, inner: ShardedWriter, fmt: BlockFp8, spec: ArchSpec, dtype: torch.dtype = torch.bfloat16):
+        self.inner, self.fmt, self.dtype = inner, fmt, dtype
+        self._quantized = fp8_weight_pattern(spec)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._quantized.fullmatch(name):
+            q, scale = quantize_blockwise(tensor, self.fmt.block)
+            self.inner.add(name, q)
+            self.inner.add(scale_name(name), scale)
+        else:
+            self.inner.add(name, tensor.to(self.dtype))
+
+    def add_stream(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, blocks: Iterator[torch.Tensor],
+                   observe: Callable[[torch.Tensor], None] | None = None) -> None:
+        """The row-block streams are the embedding and the head, which the FP8 releases keep unquantized."""
+        if self._quantized.fullmatch(name):
+            raise ValueError(f"{name} arrives in row blocks but is an FP8 role; it cannot be block-quantized so")
+        if dtype != self.dtype:
+            raise ValueError(f"{name} streams as {dtype}; the FP8 output keeps unquantized tensors in {self.dtype}")
+        self.inner.add_stream(name, shape, dtype, blocks, observe)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.inner.total_bytes
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def abandon(self) -> None:
+        self.inner.abandon()
 
 
 class AtomicOutputDir:

@@ -31,13 +31,17 @@ from ..storage.devices import resolve_device
 from .archs import LINEAR_ROLES, ArchSpec
 from . import keymat
 from .blocks import VOCABULARY, LayerContext, StreamedTensor, attention_kind, feed_forward_kind
-from .checkpoint import (AtomicOutputDir, CheckpointError, ShardedWriter, SourceCheckpoint, clean_stale_outputs,
-                         open_checkpoint)
+from .checkpoint import (AtomicOutputDir, BlockFp8Writer, CheckpointError, ShardedWriter, SourceCheckpoint,
+                         clean_stale_outputs, open_checkpoint)
+from .fp8 import RELEASE_BLOCK, BlockFp8
 from .params import PRESETS, ObfuscationParams
 from .secrets import ModelShape, SecretSampler, effective_h, resolve_seed
+from .sharding import check_tensor_parallel, layout_of
 from .transforms import padded_rope_theta, split_norm_weight
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+FP8 = "fp8"  # block-quantized float8_e4m3fn linear weights, the rest bfloat16 (the FP8 releases' format)
+OUTPUT_DTYPES = (*sorted(_DTYPES), FP8)
 
 
 @dataclass
@@ -110,6 +114,21 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
     return d
 
 
+def output_layout(source: SourceCheckpoint, shape: ModelShape, hidden: int):
+    """The widths of the output that a tensor-parallel engine splits (sharding.ShardLayout): the source's head
+    counts and feed-forward sizes; per-head width the source's, or hidden / heads where heads are padded."""
+    cfg, spec = source.config, source.spec
+    ffn = {}
+    if any(not source.is_moe_layer(i) for i in range(shape.num_layers)):
+        ffn["dense"] = int(cfg["intermediate_size"])
+    if spec.moe is not None and any(source.is_moe_layer(i) for i in range(shape.num_layers)):
+        ffn["expert"] = int(cfg[spec.moe.expert_intermediate_key])
+        if spec.moe.shared_expert:
+            ffn["shared expert"] = spec.moe.shared_intermediate_size(cfg)
+    head_dim = hidden // shape.num_heads if spec.pad_heads else shape.head_dim
+    return layout_of(cfg, spec.attention == "mla", head_dim, ffn)
+
+
 def _map_ids(ids: Any, perm: np.ndarray) -> Any:
     if isinstance(ids, list):
         return [int(perm[i]) for i in ids]
@@ -179,6 +198,7 @@ def obfuscate(
     allow_weak_seed: bool = False,
     noise_factors: tuple | None = None,
     device: str = "cpu",
+    tp: int = 1,
 ) -> ObfuscationResult:
     """Obfuscate ``src`` (HF checkpoint directory or .gguf) into ``out`` (server artifact) and ``key_out``.
 
@@ -186,6 +206,9 @@ def obfuscate(
 
     ``seed`` is the whole secret: None (the default) draws 256 bits from the OS CSPRNG. An explicit seed of fewer
     than 128 bits is refused unless ``allow_weak_seed`` (a reproducible, insecure key: tests and benchmarks only).
+
+    ``dtype``: the output precision, one of OUTPUT_DTYPES; default the source's (``fp8`` for a block-quantized FP8
+    source, float32 for GGUF). ``tp``: refuse an output a ``tp``-GPU tensor-parallel engine could not split.
 
     Every destination is checked before any work. The model is written into a temporary sibling directory and
     the key into a temporary sibling file (mode 0600); the model directory is renamed into place first, then
@@ -207,8 +230,10 @@ def obfuscate(
                          "fisher_noise_factors(src) (the CLI computes them), and only it takes them")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(OUTPUT_DTYPES)}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer (the tensor-parallel GPU count), got {tp!r}")
     device = obfuscation_device(device)
     clean_stale_outputs(out)
     recover_or_clean_staged_keys(key_out, out)
@@ -220,7 +245,7 @@ def obfuscate(
     check_writable_destination(key_out, "key file")
     with _gc_paused(), contextlib.closing(open_checkpoint(src)) as source, keymat.single_threaded_blas():
         return _obfuscate_source(source, src, out, key_out, params, seed, dtype, max_shard_bytes, overwrite, progress,
-                                 t0, noise_factors, device)
+                                 t0, noise_factors, device, tp)
 
 
 @contextlib.contextmanager
@@ -257,27 +282,37 @@ class ObfuscationPlan:
     secrets: SecretSampler
     vocab_perm: np.ndarray
     kappa: float
-    out_dtype: torch.dtype
+    out_dtype: torch.dtype  # the embedding, head and (FP8 output) every unquantized tensor
+    layer_dtype: torch.dtype  # the decoder layers' tensors as handed to the writer (float32 when it quantizes)
     compute_dtype: torch.dtype
     device: torch.device
     has_qkv_bias: bool
     noise_factors: tuple | None = None
+    fp8_out: BlockFp8 | None = None  # the block format the writer quantizes the linear weights to, if FP8 output
     flops: float = 0.0
 
 
 def plan_obfuscation(source: SourceCheckpoint, params: ObfuscationParams, seed: int, dtype: str | None = None,
-                     device: torch.device = torch.device("cpu"), noise_factors: tuple | None = None) -> ObfuscationPlan:
+                     device: torch.device = torch.device("cpu"), noise_factors: tuple | None = None,
+                     tp: int = 1) -> ObfuscationPlan:
     """Validate the source against its config, choose the dtypes and draw the secrets (on the CPU)."""
     source.validate()
     spec, cfg = source.spec, source.config
     shape = model_shape(cfg, spec)
     if shape.head_dim % 2:
         raise CheckpointError(f"head_dim {shape.head_dim} is odd; RoPE pairs need an even head_dim")
+    source_fp8 = source.fp8
     if dtype is None:
         src_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-        dtype = src_dtype if src_dtype in _DTYPES else "float32"
-    out_dtype = _DTYPES[dtype]
+        dtype = FP8 if source_fp8 is not None else src_dtype if src_dtype in _DTYPES else "float32"
+    fp8_out = (source_fp8 or BlockFp8(RELEASE_BLOCK)) if dtype == FP8 else None
+    # FP8 output: the layers hand float32 to the writer, which quantizes their linear weights; the rest bfloat16
+    out_dtype = torch.bfloat16 if fp8_out else _DTYPES[dtype]
+    layer_dtype = torch.float32 if fp8_out else out_dtype
+    compute_dtype = product_dtype(_DTYPES.get(dtype, torch.float32), params)
     check_key_matrix_memory(shape, params)
+    check_tensor_parallel(output_layout(source, shape, shape.d + 2 * effective_h(shape.d, params.h, shape.num_heads)),
+                          tp, fp8_out.block if fp8_out else None)
     if params.outlier_dims >= shape.d:  # before the extra pass over the feed-forward weights
         raise ValueError(f"outlier_dims={params.outlier_dims} must be smaller than the hidden size {shape.d}")
     outliers = massive_activation_dims(source, shape.num_layers, params.outlier_dims) if params.outlier_dims else ()
@@ -289,8 +324,8 @@ def plan_obfuscation(source: SourceCheckpoint, params: ObfuscationParams, seed: 
         calib = embed[torch.from_numpy(np.sort(idx))].to(torch.float64).numpy()
         del embed
     return ObfuscationPlan(source, spec, shape, params, secrets, secrets.vocab_permutation(), secrets.kappa(calib),
-                           out_dtype, product_dtype(out_dtype, params), device, source.has("q", 0, "bias"),
-                           noise_factors)
+                           out_dtype, layer_dtype, compute_dtype, device, source.has("q", 0, "bias"), noise_factors,
+                           fp8_out)
 
 
 def obfuscated_tensors(plan: ObfuscationPlan) -> Iterator[tuple[str, torch.Tensor] | StreamedTensor]:
@@ -313,8 +348,9 @@ def _block_of(name: str) -> str:
 def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, params: ObfuscationParams, seed: int,
                       dtype: str | None, max_shard_bytes: int, overwrite: bool, progress: bool,
                       t0: float, noise_factors: tuple | None = None,
-                      device: torch.device = torch.device("cpu")) -> ObfuscationResult:
-    plan = plan_obfuscation(source, params, seed, dtype, device, noise_factors)
+                      device: torch.device = torch.device("cpu"), tp: int = 1) -> ObfuscationResult:
+    plan = plan_obfuscation(source, params, seed, dtype, device, noise_factors, tp)
+    fp8_out = plan.fp8_out
     spec, cfg, shape, secrets, vocab_perm = plan.spec, source.config, plan.shape, plan.secrets, plan.vocab_perm
     D = secrets.hidden_size
     staged_key = writer = None
@@ -326,6 +362,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     block_seconds: dict[str, float] = {}
     try:
         writer = ShardedWriter(staging.tmp, max_shard_bytes)
+        if fp8_out:
+            writer = BlockFp8Writer(writer, fp8_out, spec)
         fp = hashlib.sha256()
         steps = tqdm(total=shape.num_layers + 2, desc="obfuscating", unit="block", disable=not progress)
         out_cfg = background.submit(output_config, cfg, spec, shape, D, float(cfg.get("rms_norm_eps", 1e-6)),
@@ -361,6 +399,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
             done.result()
         fingerprint = fp.hexdigest()
         out_cfg = out_cfg.result()
+        if fp8_out:
+            out_cfg["quantization_config"] = fp8_out.config()
         (staging.tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True, allow_nan=False) + "\n")
         special = _special_ids(source)
         gen = {k: _map_ids(v, vocab_perm) for k, v in special.items()}
@@ -430,7 +470,7 @@ def _obfuscate_layer(plan: ObfuscationPlan, i: int) -> Iterator[tuple[str, torch
     """One decoder layer: its attention block, then its feed-forward block, each by the strategy of its kind
     (blocks.py). Yields its output tensors (CPU, output dtype) in writing order, a MoE layer's expert by expert;
     adds its FLOPs to the plan."""
-    source, secrets, spec, out_dtype = plan.source, plan.secrets, plan.spec, plan.out_dtype
+    source, secrets, spec, out_dtype = plan.source, plan.secrets, plan.spec, plan.layer_dtype
     prefix = f"model.layers.{i}."
     names = spec.hf_role_names()
     ready: list[tuple[str, torch.Tensor]] = []

@@ -15,6 +15,8 @@ from typing import Any
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# block-quantized FP8 weights: meaningful only with their scale tensor, so handed out only on request
+_FP8_NAMES = {"F8_E4M3": "float8_e4m3fn"}
 
 
 class SafetensorsError(ValueError):
@@ -58,11 +60,11 @@ class SafetensorsShard:
         if actual < end:
             raise SafetensorsError(f"{path}: truncated ({actual} data bytes, header promises {end}); re-download it")
 
-    def get(self, name: str):
+    def get(self, name: str, fp8: bool = False):
         import torch
 
         e = self.entries[name]
-        dtype_name = _DTYPE_NAMES.get(e["dtype"])
+        dtype_name = _DTYPE_NAMES.get(e["dtype"]) or (_FP8_NAMES.get(e["dtype"]) if fp8 else None)
         if dtype_name is None:
             raise SafetensorsError(f"{self.path}: tensor {name} has dtype {e['dtype']}; expected one of "
                                    f"{sorted(_DTYPE_NAMES)}")
@@ -102,6 +104,11 @@ class SafetensorsDir:
     def shape(self, name: str) -> list[int]:
         return list(self._shards[self.weight_map[name]].entries[name]["shape"])
 
-    def get(self, name: str):
-        """The stored tensor (torch, stored dtype); KeyError for a name the directory does not hold."""
-        return self._shards[self.weight_map[name]].get(name)
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it ("BF16", "F8_E4M3", ...)."""
+        return str(self._shards[self.weight_map[name]].entries[name]["dtype"])
+
+    def get(self, name: str, fp8: bool = False):
+        """The stored tensor (torch, stored dtype); KeyError for a name the directory does not hold. FP8 tensors
+        only with ``fp8=True``: their values mean nothing without the block scales the caller applies."""
+        return self._shards[self.weight_map[name]].get(name, fp8)
