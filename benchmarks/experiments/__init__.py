@@ -1,0 +1,1 @@
+"""One module per experiment; each registers itself (benchmarks.lib.register). Heavy imports go inside run()."""

@@ -1,0 +1,64 @@
+"""Obfuscated models for experiments, cached by a hash of everything that decides their bytes.
+
+The cache key is the source file's identity (path, size, mtime), the parameters (every field of
+ObfuscationParams), the seed, the extra ``aloepri.obfuscate`` arguments and a digest of the obfuscation code
+itself, so a changed preset, seed or transform never reuses a stale model. Seeds here are reproducible and
+therefore insecure (``allow_weak_seed``): experiments only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .fields import to_jsonable
+
+WORK = Path(os.environ.get("ALOEPRI_BENCH_WORK", Path.home() / ".cache" / "aloepri" / "bench-targets"))
+
+
+@dataclass(frozen=True)
+class Target:
+    src: Path
+    model_dir: Path
+    key_path: Path
+    cache_key: str
+
+
+def _code_digest() -> str:
+    import aloepri.obfuscation as pkg
+
+    h = hashlib.sha256()
+    root = Path(pkg.__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(src: Path, params: Any, seed: int, **obfuscate_kwargs: Any) -> str:
+    st = Path(src).stat()
+    identity = {"src": str(Path(src).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "params": to_jsonable(params), "seed": seed,
+                "kwargs": to_jsonable({k: v for k, v in sorted(obfuscate_kwargs.items())}), "code": _code_digest()}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def obfuscated(src: Path, params: Any, seed: int, work: Path | None = None, **obfuscate_kwargs: Any) -> Target:
+    """The obfuscated model of ``src`` under ``params`` and ``seed``: built once (atomically), then reused."""
+    import aloepri
+
+    key = cache_key(src, params, seed, **obfuscate_kwargs)
+    root = Path(work or WORK) / f"{Path(src).stem}-{key}"
+    if not (root / "model" / "config.json").exists():
+        tmp = root.with_name(root.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed build leaves only this, removed here
+        tmp.mkdir(parents=True)
+        aloepri.obfuscate(src, tmp / "model", tmp / "key.json", params, seed=seed, allow_weak_seed=True,
+                          overwrite=True, progress=False, **obfuscate_kwargs)
+        shutil.rmtree(root, ignore_errors=True)
+        os.replace(tmp, root)
+    return Target(Path(src), root / "model", root / "key.json", key)

@@ -1,0 +1,139 @@
+"""The experiment system (benchmarks/): registry, typed settings, results store, runner, and the stored results."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from benchmarks.lib import ResultStore, SettingsMismatchError, all_experiments
+from benchmarks.lib.fields import parse_assignments
+from benchmarks.lib.store import RESULTS
+from benchmarks.lib.variants import parse_variant
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_experiment_is_well_formed_and_reports_its_stored_results():
+    experiments = all_experiments()
+    assert experiments, "no experiment registered"
+    for exp in experiments.values():
+        assert exp.configs and exp.summary, exp.name
+        for cfg in (*exp.config_names, *exp.legacy_configs):
+            store = exp.store(cfg)
+            if store.path.exists():
+                text = exp.report(store)
+                assert isinstance(text, str) and text.strip(), (exp.name, cfg)
+
+
+def test_every_results_file_belongs_to_an_experiment_config():
+    experiments = all_experiments()
+    known = {(e.name, c) for e in experiments.values() for c in (*e.config_names, *e.legacy_configs)}
+    stray = []
+    for path in RESULTS.rglob("*.json"):
+        rel = path.relative_to(RESULTS)
+        if len(rel.parts) != 2 or (rel.parts[0], path.stem) not in known:
+            stray.append(str(rel))
+        else:
+            data = json.loads(path.read_text())
+            assert data["runs"], f"{rel}: no provenance"
+            assert all("argv" in r or r.get("legacy") and r.get("command") for r in data["runs"]), rel
+    assert not stray, f"results outside results/<experiment>/<config>.json of a registered config: {stray}"
+
+
+def test_no_sys_path_manipulation_or_code_in_strings_in_benchmarks():
+    offenders = [str(p.relative_to(REPO)) for p in (REPO / "benchmarks").rglob("*.py")
+                 if re.search(r"sys\.path\.(insert|append)|\"-c\",", p.read_text())]
+    assert not offenders, offenders
+
+
+def test_variants_parse_by_field_type():
+    label, p = parse_variant("fish=default:noise_shape=fisher,alpha_e=0.1,h=64")
+    assert label == "fish" and p.noise_shape == "fisher" and p.alpha_e == 0.1 and p.h == 64
+    assert isinstance(p.h, int)
+    label, p = parse_variant("exact:outlier_dims=0")
+    assert label == "exact:outlier_dims=0" and p.outlier_dims == 0
+    with pytest.raises(ValueError, match="h must be an integer"):
+        parse_variant("x=default:h=1.5")
+    with pytest.raises(ValueError, match="unknown field"):
+        parse_variant("x=default:no_such=1")
+
+
+@dataclass(frozen=True)
+class _Settings:
+    models: tuple[str, ...] = ("smollm2",)
+    n: int = 1
+    flag: bool = False
+    rate: float | None = None
+
+
+def test_settings_assignments_are_typed():
+    got = parse_assignments(_Settings, ["models=a,b", "n=3", "flag=true", "rate=none"])
+    assert got == {"models": ("a", "b"), "n": 3, "flag": True, "rate": None}
+    with pytest.raises(ValueError, match="true or false"):
+        parse_assignments(_Settings, ["flag=maybe"])
+
+
+def _writer(root: str, worker: int) -> None:
+    store = ResultStore("exp", "cfg", {"a": 1}, root=Path(root))
+    store.begin(argv=["w", str(worker)])
+    for i in range(10):
+        store.put(f"{worker}-{i}", {"v": i})
+
+
+def test_store_merges_concurrent_writers_and_records_provenance(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    data = ResultStore("exp", "cfg", root=tmp_path).load()
+    assert len(data["entries"]) == 30 and len(data["runs"]) == 3
+    run = data["runs"][0]
+    assert {"argv", "commit", "versions", "machine", "started", "settings"} <= set(run)
+    assert not list((tmp_path / "exp").glob("*.tmp"))
+
+
+def test_store_refuses_results_of_other_settings(tmp_path):
+    ResultStore("exp", "cfg", {"a": 1}, root=tmp_path).begin()
+    with pytest.raises(SettingsMismatchError, match="a: 1 -> 2"):
+        ResultStore("exp", "cfg", {"a": 2}, root=tmp_path).begin()
+    fresh = ResultStore("exp", "cfg", {"a": 2}, root=tmp_path)
+    fresh.begin(fresh=True)
+    assert fresh.load()["settings"] == {"a": 2} and len(fresh.load()["runs"]) == 1
+
+
+def test_target_cache_key_follows_parameters_and_seed(tmp_path):
+    import aloepri
+    from benchmarks.lib.targets import cache_key
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    base = cache_key(src, aloepri.resolve_params("default"), 1)
+    assert base == cache_key(src, aloepri.resolve_params("default"), 1)
+    assert base != cache_key(src, aloepri.resolve_params("noisy"), 1)
+    assert base != cache_key(src, aloepri.resolve_params("default", outlier_dims=0), 1)
+    assert base != cache_key(src, aloepri.resolve_params("default"), 2)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_runner_lists_and_refuses_bad_input_in_one_line():
+    out = _cli("list")
+    assert out.returncode == 0 and "privacy_budget" in out.stdout
+    for args, msg in [(("run", "no_such"), "no experiment"),
+                      (("run", "privacy_budget", "--set", "threads=2"), "--save-as"),
+                      (("run", "privacy_budget", "--set", "threads=x", "--save-as", "t"), "integer"),
+                      (("run", "privacy_budget", "--config", "nope"), "no config")]:
+        r = _cli(*args)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
