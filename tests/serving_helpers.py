@@ -1,12 +1,8 @@
 """Helpers for the serving tests: a character tokenizer for the tiny models, an ASGI recorder, a recording
-forwarder in front of an out-of-process server, and llama-cpp-python's server as a subprocess."""
+forwarder in front of an out-of-process server (engine servers: aloepri.testing.engines)."""
 from __future__ import annotations
 
-import contextlib
-import socket
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,12 +89,6 @@ class Recorder:
             self.exchanges.clear()
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ngrams(seq: list[int], n: int) -> set[tuple[int, ...]]:
     return {tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)}
 
@@ -169,104 +159,6 @@ def sse_data(raw: bytes) -> list[Any]:
             if data and data != "[DONE]":
                 out.append(json.loads(data))
     return out
-
-
-class EngineServer:
-    """An OpenAI-compatible engine server in its own process (and process group) on a free loopback port, ready
-    once ``/v1/models`` answers. Subclasses give ``command(port)``; ``with Server(...) as url: ...`` always stops
-    the whole process group on exit (an engine's worker processes go with it)."""
-
-    name = "engine"
-    poll_seconds = 0.3
-
-    def __init__(self, log_path, start_timeout: float, env: dict[str, str] | None = None, cwd=None):
-        self.log_path = Path(log_path)
-        self.start_timeout = start_timeout
-        self.env, self.cwd = env, cwd
-        self.proc = None
-        self.url = None
-        self.start_seconds = None
-
-    def command(self, port: int) -> list[str]:
-        raise NotImplementedError
-
-    def start(self):
-        import subprocess
-        import time
-
-        import httpx2
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(port), stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=self.cwd, start_new_session=True)
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx2.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    self.start_seconds = time.monotonic() - t0
-                    return self
-            except httpx2.TransportError:
-                pass
-            if time.monotonic() - t0 > self.start_timeout:
-                self.stop()
-                raise RuntimeError(f"{self.name} not ready after {self.start_timeout}s: {self.log_tail()}")
-            time.sleep(self.poll_seconds)
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        import contextlib
-        import os
-        import signal
-        import subprocess
-
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        if self.proc is not None:
-            # stragglers (an engine core outliving its parent) go with the group as well
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        if getattr(self, "_log", None):
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> str:
-        return self.start().url
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-class LlamaCppServer(EngineServer):
-    """llama-cpp-python's OpenAI server (``python -m llama_cpp.server``) on a GGUF: one thread for decoding and for
-    prompt batches, f32 KV cache (``type_k``/``type_v`` 0 = GGML_TYPE_F32), mlock off."""
-
-    name = "llama_cpp.server"
-
-    def __init__(self, gguf, log_path, n_ctx: int = 512, alias: str = "model", start_timeout: float = 180.0):
-        super().__init__(log_path, start_timeout)
-        self.gguf, self.n_ctx, self.alias = gguf, n_ctx, alias
-
-    def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "llama_cpp.server", "--model", str(self.gguf), "--model_alias", self.alias,
-                "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(self.n_ctx),
-                "--type_k", "0", "--type_v", "0", "--use_mlock", "False", "--host", "127.0.0.1", "--port", str(port)]
 
 
 def neutral_completion(url: str, prompt_ids: list[int], max_tokens: int, stream: bool,

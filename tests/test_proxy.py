@@ -224,7 +224,8 @@ def llamacpp(smol, smollm2_exact, tmp_path_factory):
     if not _llama_cpp_server_available():
         pytest.skip("llama-cpp-python[server] is not installed")
     from aloepri.export.gguf import export_gguf, plaintext_reference_dir
-    from serving_helpers import Forwarder, LlamaCppServer
+    from aloepri.testing.engines import LlamaCppServer
+    from serving_helpers import Forwarder
 
     _, server_dir, key_path = smollm2_exact
     work = tmp_path_factory.mktemp("llamacpp")

@@ -22,7 +22,8 @@ from aloepri.serving.client import FINGERPRINT_HEADER, Client, UpstreamModelMism
 from aloepri.runtime.inference import load_plain_model
 from aloepri.serving.proxy import build_proxy
 from aloepri.serving.local_server import LocalServer, ServerThread
-from serving_helpers import CharTokenizer, Recorder, free_port, greedy
+from aloepri.testing.engines import free_port
+from serving_helpers import CharTokenizer, Recorder, greedy
 
 PROMPT = [5, 17, 33, 40, 8, 61]
 CONTEXT = 128  # tiny_models.TINY_COMMON max_position_embeddings

@@ -19,7 +19,8 @@ from aloepri.runtime.inference import load_plain_model
 from aloepri.serving.local_server import LocalServer, ServerThread
 from aloepri.serving.proxy import build_proxy
 from aloepri.serving.tools import ToolCallStream, parse_tool_calls
-from serving_helpers import CharTokenizer, Recorder, free_port, greedy
+from aloepri.testing.engines import free_port
+from serving_helpers import CharTokenizer, Recorder, greedy
 
 openai = pytest.importorskip("openai")
 

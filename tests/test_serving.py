@@ -21,7 +21,8 @@ from aloepri.keyfile import KeyFile
 from aloepri.serving.proxy import build_proxy
 from aloepri.serving.local_server import LocalServer, ServerThread
 from aloepri.serving.cli import run_chat
-from serving_helpers import CharTokenizer, Recorder, free_port, greedy
+from aloepri.testing.engines import free_port
+from serving_helpers import CharTokenizer, Recorder, greedy
 
 openai = pytest.importorskip("openai")
 

