@@ -23,11 +23,12 @@ def free_port() -> int:
 
 
 class EngineServer:
-    """An OpenAI-compatible engine server, ready once ``/v1/models`` answers. Subclasses give ``command(port)``;
+    """An OpenAI-compatible engine server, ready once ``ready_path`` (``/v1/models``) answers. Subclasses give ``command(port)``;
     ``with Server(...) as url: ...`` always stops the whole process group on exit (an engine's workers with it)."""
 
     name = "engine"
     poll_seconds = 0.3
+    ready_path = "/v1/models"
 
     def __init__(self, log_path, start_timeout: float, env: dict[str, str] | None = None, cwd=None):
         self.log_path = Path(log_path)
@@ -55,7 +56,7 @@ class EngineServer:
                 self.stop()
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
             try:
-                if httpx2.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                if httpx2.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     self.start_seconds = time.monotonic() - t0
                     return self
             except httpx2.TransportError:
@@ -94,6 +95,19 @@ class EngineServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class CommandServer(EngineServer):
+    """Any server started by a command that takes its port: ``command_for(port) -> argv``, ready at ``ready_path``
+    (aloepri's own ``serve-local`` and ``proxy``, a stand-in upstream)."""
+
+    def __init__(self, command_for, log_path, ready_path: str = "/health", start_timeout: float = 180.0,
+                 name: str = "server", env: dict[str, str] | None = None, cwd=None):
+        super().__init__(log_path, start_timeout, env=env, cwd=cwd)
+        self.command_for, self.ready_path, self.name = command_for, ready_path, name
+
+    def command(self, port: int) -> list[str]:
+        return list(self.command_for(port))
 
 
 _LLAMA_PERF = re.compile(r"^llama_perf_context_print:\s+(prompt eval|eval) time =\s+([0-9.]+) ms /\s+(\d+) "

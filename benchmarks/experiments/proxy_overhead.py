@@ -1,0 +1,214 @@
+"""Overhead of the aloepri proxy, per request and per token: direct-to-upstream vs through the proxy, side by side.
+
+Each server runs in its own process (`aloepri proxy`, `aloepri serve-local`, a stand-in upstream), the measuring
+client in this one; runs alternate direct / proxy so that drift hits both alike. Two parts:
+
+A. zero-cost upstream (benchmarks/lib/fake_upstream.py): streams a fixed reply (real SmolLM2 token ids, permuted)
+   as fast as it can. Whatever the proxy adds shows up in full: per request (TTFT difference) and per token (slope
+   of the total time difference over the reply length). Detokenization uses the real SmolLM2 tokenizer.
+B. real model: `aloepri serve-local` on SmolLM2-135M obfuscated with the exact preset (torch threads 1). The
+   direct client sends the same permuted prompt ids the proxy sends, so both get the same reply; TPOT and TTFT
+   are compared and the proxy's per-token cost is put against the TPOT.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..lib import Experiment, ResultStore, register
+from ..lib.models import model_path
+
+
+@dataclass(frozen=True)
+class Settings:
+    reps: int = 9
+    tokens: tuple[int, ...] = (16, 256)  # reply lengths of part A (shortest and longest give the slope)
+    model_tokens: int = 64  # reply length of part B
+    skip_model: bool = False  # part A only
+    seed: int = 2026
+
+
+def _stream_times(http, url: str, body: dict) -> tuple[float, list[float]]:
+    """POST a streaming request; return (start, arrival time of each event that carries tokens)."""
+    import json
+    import time
+
+    t0 = time.perf_counter()
+    arrivals = []
+    with http.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            ch = (json.loads(line[5:]).get("choices") or [{}])[0]
+            if ch.get("token_ids") or (ch.get("delta") or {}).get("content") or ch.get("text"):
+                arrivals.append(time.perf_counter())
+    return t0, arrivals
+
+
+def _measure(http, direct: tuple[str, dict], proxied: tuple[str, dict], reps: int) -> dict:
+    import statistics
+
+    import numpy as np
+
+    rows = {"direct": [], "proxy": []}
+    for _ in range(2):  # warm-up (connections, caches)
+        _stream_times(http, *direct)
+        _stream_times(http, *proxied)
+    for _ in range(reps):
+        for name, (url, body) in (("direct", direct), ("proxy", proxied)):
+            t0, arr = _stream_times(http, url, body)
+            rows[name].append({"ttft": arr[0] - t0, "total": arr[-1] - t0, "events": len(arr),
+                               "span": arr[-1] - arr[0], "gaps": np.diff(arr).tolist()})
+    n_tokens = rows["direct"][0]["events"]  # the direct stream has one event per token; the proxy's may merge some
+    out = {}
+    for name, rs in rows.items():
+        out[name] = {k: statistics.median(r[k] for r in rs) for k in ("ttft", "total")}
+        out[name]["tpot"] = statistics.median(r["span"] for r in rs) / max(n_tokens - 1, 1)
+        # robust to stalls from other load on the machine: the median of all inter-token gaps
+        out[name]["tpot_median_gap"] = float(np.median([g for r in rs for g in r["gaps"]])) if n_tokens > 1 else 0.0
+        out[name]["events"] = rs[0]["events"]
+    return out
+
+
+def _proxy(key_path, upstream: str, log, extra: tuple[str, ...] = ()):
+    import sys
+
+    from aloepri.testing.engines import CommandServer
+
+    return CommandServer(lambda port: [sys.executable, "-m", "aloepri.cli", "proxy", "--key", str(key_path),
+                                       "--upstream", upstream, "--port", str(port), "--log-level", "warning", *extra],
+                         log, name="aloepri proxy")
+
+
+def _synthetic_key(tok_path, work):
+    """A key with a random permutation over the SmolLM2 vocabulary and its tokenizer (part A needs no model)."""
+    import numpy as np
+
+    from aloepri.keyfile import KeyFile, write_key
+
+    vocab = 49152
+    perm = np.random.default_rng(0).permutation(vocab).tolist()
+    key = KeyFile(vocab_permutation=perm, model_fingerprint="0" * 64, params={}, seed=0, h_effective=0, hidden_size=0,
+                  source=str(tok_path), architecture="llama", special_tokens={"eos_token_id": 2},
+                  tokenizer={"pretrained_model_name_or_path": str(tok_path.parent), "gguf_file": tok_path.name})
+    write_key(key, work / "synthetic.key", overwrite=True)
+    return key, work / "synthetic.key"
+
+
+def _part_a(smol, work, s: Settings) -> dict:
+    import json
+    import sys
+
+    import httpx2
+    from transformers import AutoTokenizer
+
+    from aloepri.testing.engines import CommandServer
+
+    from ..lib.provenance import REPO
+
+    key, key_path = _synthetic_key(smol, work)
+    tok = AutoTokenizer.from_pretrained(str(smol.parent), gguf_file=smol.name)
+    text = ("The ocean covers most of the planet and holds a great variety of life, from tiny plankton to whales. "
+            "Its currents move heat around the globe and shape the weather on every continent. ") * 40
+    reply = key.encode_ids(tok.encode(text)[: max(s.tokens)])
+    (work / "reply.json").write_text(json.dumps(reply))
+    upstream = CommandServer(lambda port: [sys.executable, "-m", "benchmarks.lib.fake_upstream", str(port),
+                                           str(work / "reply.json")], work / "upstream.log", name="fake upstream",
+                             cwd=REPO)
+    with upstream as up_url, _proxy(key_path, up_url, work / "proxy-a.log", ("--no-verify",)) as px_url:
+        messages = [{"role": "user", "content": "Tell me about the ocean."}]
+        prompt_server = key.encode_ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                                       ["input_ids"])
+        res = {}
+        with httpx2.Client(timeout=60) as http:
+            for n in s.tokens:
+                direct = (f"{up_url}/v1/completions",
+                          {"prompt": prompt_server, "max_tokens": n, "stream": True, "return_token_ids": True})
+                proxied = (f"{px_url}/v1/chat/completions", {"messages": messages, "max_tokens": n, "stream": True})
+                res[n] = _measure(http, direct, proxied, s.reps)
+    lo, hi = min(s.tokens), max(s.tokens)
+    d_lo = res[lo]["proxy"]["total"] - res[lo]["direct"]["total"]
+    d_hi = res[hi]["proxy"]["total"] - res[hi]["direct"]["total"]
+    return {"upstream": "fake engine streaming precomputed ids (zero compute)",
+            "by_reply_tokens": {str(n): r for n, r in res.items()},
+            "per_request_overhead_ms": 1e3 * (res[lo]["proxy"]["ttft"] - res[lo]["direct"]["ttft"]),
+            "per_token_overhead_us": 1e6 * (d_hi - d_lo) / (hi - lo)}
+
+
+def _part_b(smol, work, s: Settings) -> dict:
+    import sys
+
+    import httpx2
+
+    import aloepri
+    from aloepri.runtime.inference import load_tokenizer
+    from aloepri.testing.engines import CommandServer
+
+    from ..lib.targets import obfuscated
+
+    target = obfuscated(smol, aloepri.resolve_params("exact"), s.seed)
+    key = aloepri.load_key(target.key_path)
+    tok = load_tokenizer(key, smol)
+    upstream = CommandServer(lambda port: [sys.executable, "-m", "aloepri.cli", "serve-local", str(target.model_dir),
+                                           "--port", str(port), "--threads", "1", "--log-level", "warning"],
+                             work / "serve-local.log", name="aloepri serve-local")
+    with upstream as up_url, _proxy(target.key_path, up_url, work / "proxy-b.log", ("--tokenizer", str(smol))) as px:
+        messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        direct = (f"{up_url}/v1/completions",
+                  {"prompt": key.encode_ids(ids), "max_tokens": s.model_tokens, "temperature": 0, "stream": True,
+                   "return_token_ids": True, "stop_token_ids": key.obfuscated_eos_ids()})
+        proxied = (f"{px}/v1/chat/completions",
+                   {"messages": messages, "max_tokens": s.model_tokens, "temperature": 0, "stream": True})
+        with httpx2.Client(timeout=300) as http:
+            r = _measure(http, direct, proxied, s.reps)
+    tpot = r["direct"]["tpot"]
+    return {"upstream": "aloepri serve-local (transformers, torch threads 1), SmolLM2-135M exact preset",
+            "reply_tokens": s.model_tokens, **r,
+            "ttft_overhead_ms": 1e3 * (r["proxy"]["ttft"] - r["direct"]["ttft"]),
+            "tpot_overhead_pct": 100 * (r["proxy"]["tpot"] - tpot) / tpot,
+            "tpot_median_gap_overhead_pct": 100 * (r["proxy"]["tpot_median_gap"] - r["direct"]["tpot_median_gap"])
+            / r["direct"]["tpot_median_gap"]}
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    smol = model_path("smollm2")
+    with tempfile.TemporaryDirectory(prefix="aloepri-proxy-overhead-") as tmp:
+        if not store.has("zero_cost_upstream"):
+            load0 = os.getloadavg()
+            store.put("zero_cost_upstream", {**_part_a(smol, Path(tmp), s), "load_average": [load0, os.getloadavg()]})
+        if not s.skip_model and not store.has("serve_local_smollm2"):
+            load0 = os.getloadavg()
+            b = _part_b(smol, Path(tmp), s)
+            b["proxy_per_token_cost_pct_of_tpot"] = (
+                100 * store.get("zero_cost_upstream")["per_token_overhead_us"] / 1e6 / b["direct"]["tpot"])
+            store.put("serve_local_smollm2", {**b, "load_average": [load0, os.getloadavg()]})
+
+
+def report(store: ResultStore) -> str:
+    e = store.entries()
+    out = []
+    a = e.get("zero_cost_upstream")
+    if a:
+        out.append(f"zero-cost upstream: {a['per_request_overhead_ms']:.2f} ms per request, "
+                   f"{a['per_token_overhead_us']:.0f} µs per token (slope over {', '.join(a['by_reply_tokens'])} "
+                   f"reply tokens)")
+    b = e.get("serve_local_smollm2")
+    if b:
+        out.append(f"serve-local SmolLM2 ({b['reply_tokens']} tokens): direct TPOT {1e3 * b['direct']['tpot']:.1f} ms, "
+                   f"proxy {1e3 * b['proxy']['tpot']:.1f} ms ({b['tpot_overhead_pct']:+.2f}%, median gap "
+                   f"{b['tpot_median_gap_overhead_pct']:+.2f}%); TTFT +{b['ttft_overhead_ms']:.1f} ms; the proxy's "
+                   f"per-token cost from part A is {b['proxy_per_token_cost_pct_of_tpot']:.2f}% of TPOT")
+    return "\n".join(out) or "(nothing stored)"
+
+
+register(Experiment(
+    name="proxy_overhead",
+    summary="what the aloepri proxy adds per request and per token, direct vs proxied (a few minutes)",
+    settings=Settings, configs={"default": Settings(), "smoke": Settings(reps=2, tokens=(8, 32), skip_model=True)},
+    run=run, report=report, docs=("docs/serving.md",),
+))
