@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Callable
 from ...keyfile import KeyFile
 from .decode import Completion, Delta
 from .errors import upstream_errors
-from .exchange import DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, ClientBase, ReplyState, ReplyStreamBase
+from .exchange import DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, ClientBase, ClientCore, ReplyStreamBase
 from .guard import listing_of
 from .wire import Backend, GenerationParams, generation_params
 
@@ -25,8 +25,8 @@ class AsyncClient(ClientBase):
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, http_client: Any = None, max_connections: int = 256):
         import httpx2
 
-        super().__init__(key, base_url, model, tokenizer, api_key, timeout, backend, server_tokenizer,
-                         default_max_tokens)
+        self.core = ClientCore(key, base_url, model, tokenizer, api_key, timeout, backend, server_tokenizer,
+                               default_max_tokens)
         limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=32)
         self._http = http_client or httpx2.AsyncClient(timeout=self.core.http_timeout(), limits=limits)
         self._own_http = http_client is None
@@ -71,7 +71,7 @@ class AsyncClient(ClientBase):
 
 
 class AsyncReplyStream(ReplyStreamBase):
-    """The asyncio twin of :class:`~.sync.ReplyStream`: the same :class:`ReplyState`, driven by an async
+    """The asyncio twin of :class:`~.sync.ReplyStream`: the same :class:`~.exchange.ReplyState`, driven by an async
     connection."""
 
     async def _connect(self, client: AsyncClient) -> None:

@@ -316,12 +316,7 @@ class ClientBase:
     is the server's neutral tokenizer or a :class:`~.wire.TextCodec`).
     """
 
-    def __init__(self, key: KeyFile | str | Path, base_url: str, model: str | None = None, tokenizer: Any = None,
-                 api_key: str | None = None, timeout: float | Any = DEFAULT_TIMEOUT,
-                 backend: str | Backend = "openai-completions", server_tokenizer: Any = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
-        self.core = ClientCore(key, base_url, model, tokenizer, api_key, timeout, backend, server_tokenizer,
-                               default_max_tokens)
+    core: ClientCore  # set by the client's __init__
 
     key = property(lambda self: self.core.key)
     tokenizer = property(lambda self: self.core.tokenizer)

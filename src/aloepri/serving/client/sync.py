@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 from ...keyfile import KeyFile
 from .decode import Completion, Delta
 from .errors import upstream_errors
-from .exchange import DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, ClientBase, ReplyState, ReplyStreamBase
+from .exchange import DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, ClientBase, ClientCore, ReplyState, ReplyStreamBase
 from .guard import listing_of
 from .wire import Backend, GenerationParams, generation_params, normalize_base_url
 
@@ -37,8 +37,8 @@ class Client(ClientBase):
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, http_client: Any = None):
         import httpx2
 
-        super().__init__(key, base_url, model, tokenizer, api_key, timeout, backend, server_tokenizer,
-                         default_max_tokens)
+        self.core = ClientCore(key, base_url, model, tokenizer, api_key, timeout, backend, server_tokenizer,
+                               default_max_tokens)
         self._http = http_client or httpx2.Client(timeout=self.core.http_timeout())
         self._own_http = http_client is None
 
