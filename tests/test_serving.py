@@ -137,8 +137,8 @@ def test_client_errors(tiny):
 
 
 def _run_client(kind, key, url, calls, **kw):
-    """``calls(client)`` -> a list of (method name, args, params) run on a ``kind`` client; their results, streams
-    drained into (deltas, results)."""
+    """Run ``calls``, each (method name, args, params), on one ``kind`` ("sync" or "async") client: their results,
+    a stream's as (its deltas, its results)."""
     from aloepri.serving.client import AsyncClient
 
     if kind == "sync":

@@ -142,7 +142,6 @@ class ReplyState:
     """
 
     READ, READ_ERROR, CHECK_LISTING = "read", "read-error", "check-listing"
-    method = "POST"
 
     def __init__(self, plain: list[int], server_ids: list[int], call: Call, decoders: Sequence[ReplyDecoder],
                  upstream_stream: bool, guard: UpstreamGuard, base_url: str, headers: dict[str, str]):
@@ -157,6 +156,10 @@ class ReplyState:
         self._connection: Any = None
         self._read_after_end = 0
         self.t0 = time.perf_counter()
+
+    @property
+    def method(self) -> str:
+        return self.call.method
 
     @property
     def url(self) -> str:
