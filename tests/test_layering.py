@@ -155,5 +155,5 @@ def test_an_ids_only_client_does_not_import_torch():
          "              hidden_size=0, source='', architecture='llama')\n"
          "with Client(key, 'http://127.0.0.1:9') as c:\n"
          "    assert c.tokenizer is None\n"
-         "    assert c._core.completion_prompt_ids([0, 2]) == [0, 2]\n"
+         "    assert c.core.completion_prompt_ids([0, 2]) == [0, 2]\n"
          + _NO_TORCH)

@@ -139,7 +139,7 @@ def test_client_backends_equal_plaintext(stack, expected, backend):
     with Client(core.key, stack["upstream"], tokenizer=core.tokenizer, backend=backend) as c:
         assert c.verify() is True
         r = c.chat(q, max_tokens=MAX_TOKENS, temperature=0)
-        streamed = list(c.chat(q, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+        streamed = list(c.stream_chat(q, max_tokens=MAX_TOKENS, temperature=0))
     assert r.token_ids == expected[q]["reply_ids"]
     assert r.text == expected[q]["text"]
     assert [i for d in streamed for i in d.token_ids] == expected[q]["reply_ids"]
@@ -329,7 +329,7 @@ def test_sdk_text_backend_on_llama_cpp_equals_plaintext(llamacpp, stream):
     llamacpp["recorder"].clear()
     with Client(core.key, llamacpp["tap"], tokenizer=core.tokenizer, backend="openai-text") as c:
         if stream:
-            deltas = list(c.chat(q, max_tokens=LLAMA_MAX_TOKENS, temperature=0, repetition_penalty=1.0, stream=True))
+            deltas = list(c.stream_chat(q, max_tokens=LLAMA_MAX_TOKENS, temperature=0, repetition_penalty=1.0))
             ids, text = [i for d in deltas for i in d.token_ids], "".join(d.text or "" for d in deltas)
         else:
             r = c.chat(q, max_tokens=LLAMA_MAX_TOKENS, temperature=0, repetition_penalty=1.0)

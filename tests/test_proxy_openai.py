@@ -793,7 +793,7 @@ def test_sdk_client_n_and_logprobs(stack, tiny, plain):
     want = greedy(plain, PROMPT, 6, 2)
     with Client(tiny["key"], stack["upstream"]) as c:
         both = c.complete(PROMPT, max_tokens=6, temperature=0, n=2, logprobs=1)
-        streamed = list(c.complete(PROMPT, max_tokens=6, temperature=0, n=2, stream=True))
+        streamed = list(c.stream_complete(PROMPT, max_tokens=6, temperature=0, n=2))
         one = c.complete(PROMPT, max_tokens=6, temperature=0, logprobs=0)
     assert [(r.index, r.token_ids) for r in both] == [(0, want), (1, want)]
     assert [e.token_id for e in both[1].logprobs] == want and all(len(e.top) in (1, 2) for e in both[1].logprobs)

@@ -85,7 +85,7 @@ def test_client_raw_ids_equal_plaintext_greedy(tiny, plain, upstream, backend):
     with Client(tiny["key"], upstream["url"], backend=backend) as c:
         assert c.tokenizer is None  # the tiny model has none: raw ids in, raw ids out
         r = c.complete(PROMPT, max_tokens=20, temperature=0)
-        s = list(c.complete(PROMPT, max_tokens=20, temperature=0, stream=True))
+        s = list(c.stream_complete(PROMPT, max_tokens=20, temperature=0))
     assert r.token_ids == want and r.text is None
     assert [i for d in s for i in d.token_ids] == want
     assert r.server_prompt_ids == tiny["key"].encode_ids(PROMPT) != PROMPT
@@ -135,6 +135,111 @@ def test_client_errors(tiny):
             c.chat("hello")
         with pytest.raises(ValueError, match="outside the vocabulary"):
             c.complete([1, 2, 10_000])
+
+
+def _run_client(kind, key, url, calls, **kw):
+    """Run ``calls``, each (method name, args, params), on one ``kind`` ("sync" or "async") client: their results,
+    a stream's as (its deltas, its results)."""
+    from aloepri.serving.client import AsyncClient
+
+    if kind == "sync":
+        with Client(key, url, **kw) as c:
+            return [_drain_sync(getattr(c, m)(*a, **p)) for m, a, p in calls]
+
+    async def main():
+        async with AsyncClient(key, url, **kw) as c:
+            out = []
+            for m, a, p in calls:
+                r = await getattr(c, m)(*a, **p)
+                if m.startswith("stream_"):
+                    async with r:
+                        deltas = [d async for d in r]
+                    r = (deltas, r.results)
+                out.append(r)
+            return out
+
+    return asyncio.run(main())
+
+
+def _drain_sync(r):
+    if isinstance(r, (list, aloepri.serving.client.Completion)):
+        return r
+    with r:
+        deltas = list(r)
+    return deltas, r.results
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_both_clients_chat_and_stream_chat_alike(tiny, plain, upstream, kind):
+    """chat / stream_chat / complete / stream_complete: the same arguments and results on both clients, equal to
+    plaintext greedy decoding; a stop string ends the streamed reply on the decoded text."""
+    tok = CharTokenizer()
+    msgs = [{"role": "user", "content": "hi!"}]
+    want = greedy(plain, tok.apply_chat_template(msgs), 12, 2)
+    want_text = tok.decode(want)
+    stop = want_text[3:5]
+    calls = [("chat", (msgs,), {"max_tokens": 12, "temperature": 0}),
+             ("stream_chat", (msgs,), {"max_tokens": 12, "temperature": 0}),
+             ("complete", (PROMPT,), {"max_tokens": 12, "temperature": 0, "n": 2}),
+             ("stream_complete", (PROMPT,), {"max_tokens": 12, "temperature": 0, "n": 2}),
+             ("stream_chat", ("hi!",), {"max_tokens": 12, "temperature": 0, "stop": stop})]
+    chat, (deltas, streamed), both, (n_deltas, n_streamed), (s_deltas, s_results) = _run_client(
+        kind, tiny["key"], upstream["url"], calls, tokenizer=tok)
+    assert chat.token_ids == want and chat.text == want_text
+    assert chat.finish_reason == ("length" if len(want) == 12 else "stop")
+    assert "".join(d.text for d in deltas) == want_text and [i for d in deltas for i in d.token_ids] == want
+    assert len(streamed) == 1 and streamed[0].text == want_text and streamed[0].finish_reason == chat.finish_reason
+    want_ids = greedy(plain, PROMPT, 12, 2)
+    assert [r.index for r in both] == [0, 1] and all(r.token_ids == want_ids for r in both)
+    assert [r.token_ids for r in n_streamed] == [want_ids, want_ids]
+    assert sorted({d.index for d in n_deltas}) == [0, 1]
+    cut = want_text[: want_text.index(stop)]
+    assert "".join(d.text for d in s_deltas) == cut and s_results[0].text == cut
+    assert s_results[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_both_clients_refuse_errors_and_another_models_reply(tiny, upstream, kind):
+    """The status and key checks are the same on both clients: an error status is an UpstreamHTTPError with the
+    server's message; a reply stamped with another model's fingerprint is never decoded."""
+    from aloepri.serving.client import UpstreamHTTPError, UpstreamModelMismatch
+
+    with pytest.raises(UpstreamHTTPError, match="top_p") as err:
+        _run_client(kind, tiny["key"], upstream["url"], [("complete", (PROMPT,), {"top_p": 2.0})])
+    assert err.value.upstream_status == 400 and err.value.code == "upstream_rejected_request"
+    for method in ("complete", "stream_complete"):
+        with pytest.raises(UpstreamModelMismatch):
+            _run_client(kind, tiny["other_key"], upstream["url"], [(method, (PROMPT,), {"max_tokens": 2})])
+    with pytest.raises(UpstreamUnreachable):
+        _run_client(kind, tiny["key"], f"http://127.0.0.1:{free_port()}", [("stream_complete", (PROMPT,), {})],
+                    timeout=5)
+
+
+def test_reply_state_judges_the_head_before_the_body(tiny):
+    """Sans-IO: the status and the model check decide before any body is read."""
+    from aloepri.serving.client import (FINGERPRINT_HEADER, ClientCore, GenerationParams, UpstreamHTTPError,
+                                        UpstreamModelMismatch)
+
+    core = ClientCore(tiny["key"], "http://127.0.0.1:9")
+    fp, other = tiny["key"].model_fingerprint, tiny["other_key"].model_fingerprint
+    st = core.start(PROMPT, GenerationParams(max_tokens=2), stream=False, default_max=None)
+    assert st.url == "http://127.0.0.1:9/v1/completions" and st.body["prompt"] == tiny["key"].encode_ids(PROMPT)
+    assert st.on_head(503, {}) == st.READ_ERROR
+    with pytest.raises(UpstreamHTTPError, match="busy") as err:
+        st.on_error_body(b'{"error": {"message": "busy"}}')
+    assert err.value.status == 503 and err.value.code == "upstream_overloaded"
+    assert st.on_head(200, {FINGERPRINT_HEADER: fp}) == st.READ  # stamped with the key's model
+    assert st.on_head(200, {}) == st.READ  # the SDK's default: stamps only
+    with pytest.raises(UpstreamModelMismatch):
+        st.on_head(200, {FINGERPRINT_HEADER: other})
+    listing = {"data": [{"id": "m", "aloepri": {"model_fingerprint": fp}}]}
+    assert core.verify_listing(listing) is True  # from now on unstamped replies wait for /v1/models
+    conn = type("Connection", (), {})()  # what httpx gives as the network stream: any weakly referable object
+    assert st.on_head(200, {}, conn) == st.CHECK_LISTING
+    with pytest.raises(UpstreamModelMismatch):
+        st.on_listing({"data": [{"id": "m", "aloepri": {"model_fingerprint": other}}]})
+    st.on_listing(listing)
+    assert st.on_head(200, {}, conn) == st.READ  # a connection that passed stays vouched for
 
 
 # ---------------------------------------------------------------------------------- reply decoding (units)

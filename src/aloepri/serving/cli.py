@@ -209,7 +209,7 @@ def run_chat(client: Any, system: str | None = None, params: dict | None = None,
             stdout.write("assistant> ")
         pieces: list[str] = []
         try:
-            with client.chat(history, stream=True, **params) as reply:
+            with client.stream_chat(history, **params) as reply:
                 for d in reply:
                     if d.text:
                         pieces.append(d.text)

@@ -322,7 +322,7 @@ class LocalServer:
     def _detok(self):
         if self.tokenizer is None:
             return None
-        from .client import IncrementalDetokenizer
+        from .client.decode import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self.tokenizer)
 
@@ -488,7 +488,7 @@ def _stamped(app: Any, fingerprint: str):
     """Every HTTP answer carries the model's public fingerprint (header ``x-aloepri-model-fingerprint``), so a
     client checks each reply against its key: the stamp and the reply arrive together, so no restart of the
     server can fall between the check and the ids it decodes."""
-    from .client import FINGERPRINT_HEADER
+    from .client.guard import FINGERPRINT_HEADER
 
     header = (FINGERPRINT_HEADER.encode(), fingerprint.encode())
 
