@@ -92,7 +92,8 @@ class ResultStore:
         return self.run_index
 
     def put(self, key: str, value: dict[str, Any]) -> None:
-        """Store one finished unit of work (resumable runs skip keys that ``has``)."""
+        """Store one finished unit of work (resumable runs skip keys that ``has``). The entry gets two fields of
+        the store's own: ``run`` (index into the file's run records) and ``written`` (UTC time)."""
         if not isinstance(value, dict):
             raise TypeError("a result entry is a dict")
         with self._locked() as data:
