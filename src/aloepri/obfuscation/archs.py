@@ -59,6 +59,58 @@ LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down", "router", "expert_gate
 FP8_ROLES = tuple(r for r in LINEAR_ROLES if r not in ("router", "shared_expert_gate"))
 
 
+class UnknownRoleError(KeyError):
+    """A tensor role the naming scheme has no name for (e.g. an expert role in GGUF)."""
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """Full tensor names by role in one naming scheme (a Hugging Face architecture, or GGUF): the one place that
+    turns (role, layer, part, expert) into a stored name, for reading, writing and export alike.
+
+    Linear roles name a module, so ``part`` ("weight" / "bias") is appended; every other role names its tensor.
+    """
+
+    global_roles: dict[str, str]
+    layer_roles: dict[str, str]
+    layer_prefix: str  # "{i}" is the layer index
+
+    def of(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
+        if layer is None:
+            return self.global_roles[role]
+        if role not in self.layer_roles:
+            raise UnknownRoleError(role)
+        base = self.layer_prefix.format(i=layer) + self.layer_roles[role].format(e=expert)
+        return f"{base}.{part}" if role in LINEAR_ROLES else base
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder layer a stored name belongs to, or None for a global tensor."""
+        head, _, tail = self.layer_prefix.partition("{i}")
+        if not name.startswith(head):
+            return None
+        index = name[len(head):].partition(tail)[0]
+        return int(index) if index.isdigit() else None
+
+    def layer_pattern(self) -> str:
+        """A regular expression matching the prefix of every layer's tensors."""
+        head, _, tail = self.layer_prefix.partition("{i}")
+        return re.escape(head) + r"\d+" + re.escape(tail)
+
+
+GGUF_NAMES = TensorNames(GGUF_GLOBAL_ROLES, GGUF_LAYER_ROLES, GGUF_LAYER_PREFIX)
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """What llama.cpp's graph for one ``general.architecture`` expects of the tensors (reading and export)."""
+
+    qk_rows_interleaved: bool = False  # q/k rows stored as adjacent RoPE pairs (its converter permutes them)
+    o_bias: bool = True  # the graph reads attn_output.bias
+
+
+GGUF_ARCHS = {"llama": GGUFArch(qk_rows_interleaved=True), "qwen2": GGUFArch(), "qwen3": GGUFArch(o_bias=False)}
+
+
 @dataclass(frozen=True)
 class MoESpec:
     """Where an architecture has routed experts, and what goes with them.
@@ -116,13 +168,17 @@ class ArchSpec:
     output_model_type: str
     output_architecture: str
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    gguf_qk_rows_interleaved: bool = False  # llama.cpp's converter permutes q/k rows for the llama arch
     # config keys copied verbatim from the source config when present
     passthrough_config: tuple[str, ...] = field(default=())
     attention: str = "gqa"  # "gqa" (MHA/GQA/MQA: q/k/v/o) or "mla" (DeepSeek's multi-head latent attention)
     moe: MoESpec | None = None
     hf_roles: dict[str, str] = field(default_factory=dict)  # overrides of HF_LAYER_ROLES / HF_MOE_MLA_ROLES
-    gguf_export: bool = True  # `aloepri export-gguf` supports the output (dense GQA models only)
+    # llama.cpp architecture (GGUF_ARCHS) `aloepri export-gguf` writes the output as; None: no GGUF export
+    # (MoE and MLA outputs are served from safetensors)
+    gguf_export: str | None = None
+    # the output config's one ``attention_bias`` switch declares q/k/v AND o_proj biases (Llama): it is set from the
+    # source's q bias, and an o_proj bias the source lacks (Qwen2) is written as zeros
+    attention_bias_with_o: bool = False
     # Engines derive head_dim = hidden_size // num_heads for this architecture (vLLM and SGLang Qwen2-MoE, SGLang
     # Mixtral): pad
     # every head to (d + 2h) / num_heads so the output loads there unchanged (transforms.pad_attention_heads)
@@ -131,6 +187,11 @@ class ArchSpec:
 
     def hf_role_names(self) -> dict[str, str]:
         return {**HF_LAYER_ROLES, **HF_MOE_MLA_ROLES, **self.hf_roles}
+
+    @property
+    def hf_names(self) -> TensorNames:
+        """Tensor names of this architecture's Hugging Face checkpoints (sources and outputs alike)."""
+        return TensorNames(HF_GLOBAL_ROLES, self.hf_role_names(), HF_LAYER_PREFIX)
 
 
 _COMMON = (
@@ -154,18 +215,21 @@ SPECS: dict[str, ArchSpec] = {}
 
 
 def register(spec: ArchSpec) -> ArchSpec:
+    unknown = [a for a in (*spec.gguf_architectures, spec.gguf_export) if a is not None and a not in GGUF_ARCHS]
+    if unknown:
+        raise ValueError(f"{spec.name}: GGUF architecture(s) {unknown} have no entry in GGUF_ARCHS")
     SPECS[spec.name] = spec
     return spec
 
 
 register(ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), "llama", "LlamaForCausalLM",
-                  gguf_qk_rows_interleaved=True, passthrough_config=_COMMON + ("mlp_bias",)))
+                  passthrough_config=_COMMON + ("mlp_bias",), gguf_export="llama", attention_bias_with_o=True))
 register(ArchSpec("mistral", ("MistralForCausalLM",), (), "mistral", "MistralForCausalLM",
-                  passthrough_config=_COMMON + ("sliding_window",)))
+                  passthrough_config=_COMMON + ("sliding_window",), gguf_export="llama"))
 register(ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "llama", "LlamaForCausalLM",
-                  passthrough_config=_COMMON))
+                  passthrough_config=_COMMON, gguf_export="llama", attention_bias_with_o=True))
 register(ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", "Qwen3ForCausalLM", qk_norm=True,
-                  passthrough_config=_COMMON + ("attention_bias",)))
+                  passthrough_config=_COMMON + ("attention_bias",), gguf_export="qwen3"))
 
 # --- mixture of experts and multi-head latent attention (safetensors sources only) ---------------------------
 _MOE_COMMON = ("num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits")
@@ -174,19 +238,17 @@ _QWEN_MOE = _MOE_COMMON + ("num_experts", "num_local_experts", "moe_intermediate
 register(ArchSpec("qwen2_moe", ("Qwen2MoeForCausalLM",), (), "qwen2_moe", "Qwen2MoeForCausalLM",
                   passthrough_config=_COMMON + _QWEN_MOE + ("shared_expert_intermediate_size", "qkv_bias"),
                   moe=MoESpec(("num_experts",), "sparse_step", shared_expert=True, shared_expert_gate=True,
-                              shared_intermediate_key="shared_expert_intermediate_size"),
-                  gguf_export=False, pad_heads=True))
+                              shared_intermediate_key="shared_expert_intermediate_size"), pad_heads=True))
 register(ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), (), "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
                   passthrough_config=_COMMON + _QWEN_MOE + ("attention_bias",),
-                  moe=MoESpec(("num_local_experts", "num_experts"), "sparse_step"), gguf_export=False))
+                  moe=MoESpec(("num_local_experts", "num_experts"), "sparse_step")))
 register(ArchSpec("mixtral", ("MixtralForCausalLM",), (), "mixtral", "MixtralForCausalLM",
                   passthrough_config=_COMMON + _MOE_COMMON + ("num_local_experts", "sliding_window",
                                                               "router_jitter_noise"),
                   moe=MoESpec(("num_local_experts",), "all", expert_intermediate_key="intermediate_size"),
                   hf_roles={"router": "block_sparse_moe.gate", "expert_gate": "block_sparse_moe.experts.{e}.w1",
                             "expert_up": "block_sparse_moe.experts.{e}.w3",
-                            "expert_down": "block_sparse_moe.experts.{e}.w2"},
-                  gguf_export=False, pad_heads=True))  # SGLang's Mixtral ignores head_dim (vLLM's reads it)
+                            "expert_down": "block_sparse_moe.experts.{e}.w2"}, pad_heads=True))  # SGLang's Mixtral ignores head_dim (vLLM's reads it)
 _DEEPSEEK = _COMMON + _MOE_COMMON + (
     "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
     "topk_group", "topk_method", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
@@ -198,17 +260,16 @@ _DEEPSEEK_ROLES = {"shared_gate": "mlp.shared_experts.gate_proj", "shared_up": "
 register(ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), (), "deepseek_v3", "DeepseekV3ForCausalLM",
                   passthrough_config=_DEEPSEEK, attention="mla",
                   moe=dataclasses.replace(_DEEPSEEK_MOE, router_bias=True), hf_roles=_DEEPSEEK_ROLES,
-                  gguf_export=False, output_overrides={"num_nextn_predict_layers": 0}))
+                  output_overrides={"num_nextn_predict_layers": 0}))
 register(ArchSpec("deepseek_v2", ("DeepseekV2ForCausalLM",), (), "deepseek_v2", "DeepseekV2ForCausalLM",
-                  passthrough_config=_DEEPSEEK, attention="mla", moe=_DEEPSEEK_MOE, hf_roles=_DEEPSEEK_ROLES,
-                  gguf_export=False))
+                  passthrough_config=_DEEPSEEK, attention="mla", moe=_DEEPSEEK_MOE, hf_roles=_DEEPSEEK_ROLES))
 
 
 def fp8_weight_pattern(spec: ArchSpec) -> re.Pattern:
     """Full names of the decoder-layer weights an FP8 checkpoint of ``spec`` stores block-quantized."""
-    names = spec.hf_role_names()
-    roles = "|".join(re.escape(names[r]).replace(re.escape("{e}"), r"\d+") for r in FP8_ROLES)
-    return re.compile(r"model\.layers\.\d+\.(?:%s)\.weight" % roles)
+    names = spec.hf_names
+    roles = "|".join(re.escape(names.layer_roles[r]).replace(re.escape("{e}"), r"\d+") for r in FP8_ROLES)
+    return re.compile(r"%s(?:%s)\.weight" % (names.layer_pattern(), roles))
 
 
 def supported_architectures() -> list[str]:

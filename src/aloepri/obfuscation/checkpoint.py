@@ -23,34 +23,15 @@ from ..storage.safetensors_dir import INDEX_FILE, SafetensorsDir, SafetensorsErr
 from ..storage.safetensors_stream import StreamedFile
 from ..storage.sources import pretrained_kwargs
 from ..storage.staging import clean_stale, make_staging_dir, staging_prefix
-from .archs import (
-    GGUF_GLOBAL_ROLES,
-    GGUF_LAYER_PREFIX,
-    GGUF_LAYER_ROLES,
-    HF_GLOBAL_ROLES,
-    HF_LAYER_PREFIX,
-    LINEAR_ROLES,
-    ArchSpec,
-    fp8_weight_pattern,
-    spec_for_gguf,
-    spec_for_hf,
-)
+from .archs import GGUF_ARCHS, GGUF_NAMES, ArchSpec, TensorNames, UnknownRoleError, fp8_weight_pattern, spec_for_gguf, \
+    spec_for_hf
 from .fp8 import (BlockFp8, Fp8FormatError, check_scale, dequantize_blockwise, parse_quantization_config,
                   quantize_blockwise, scale_name)
+from .transforms import deinterleave_rope_rows
 
 
 class CheckpointError(ValueError):
     """A source checkpoint is missing, truncated, corrupt or incomplete."""
-
-
-def _tensor_name(roles: dict, global_roles: dict, prefix: str, role: str, layer: int | None, part: str,
-                 expert: int | None = None) -> str:
-    if layer is None:
-        return global_roles[role]
-    if role not in roles:
-        raise CheckpointError(f"tensor role {role!r} does not exist in this checkpoint format")
-    base = prefix.format(i=layer) + roles[role].format(e=expert)
-    return f"{base}.{part}" if role in LINEAR_ROLES else base
 
 
 class SourceCheckpoint:
@@ -60,9 +41,13 @@ class SourceCheckpoint:
     spec: ArchSpec
     path: Path
     fp8: BlockFp8 | None = None  # the block format of an FP8 source (its linear weights are read dequantized)
+    names: TensorNames  # the naming scheme of the stored tensors
 
     def name_of(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
-        raise NotImplementedError
+        try:
+            return self.names.of(role, layer, part, expert)
+        except UnknownRoleError:
+            raise CheckpointError(f"tensor role {role!r} does not exist in this checkpoint format") from None
 
     def has(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> bool:
         return self.name_of(role, layer, part, expert) in self.tensor_names()
@@ -183,6 +168,7 @@ class SafetensorsCheckpoint(SourceCheckpoint):
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
         self.spec = spec_for_hf(self.config.get("architectures"))
+        self.names = self.spec.hf_names
         try:
             self.fp8 = parse_quantization_config(self.config)  # None: unquantized
         except Fp8FormatError as e:
@@ -191,9 +177,6 @@ class SafetensorsCheckpoint(SourceCheckpoint):
             self._tensors = SafetensorsDir(self.path)
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from None
-
-    def name_of(self, role, layer=None, part="weight", expert=None):
-        return _tensor_name(self.spec.hf_role_names(), HF_GLOBAL_ROLES, HF_LAYER_PREFIX, role, layer, part, expert)
 
     def tensor_names(self):
         return self._tensors.names()
@@ -371,12 +354,6 @@ def _q5_0_rows(rows: np.ndarray) -> np.ndarray:
     return (d * q.astype(np.float32)).reshape(rows.shape[0], -1)
 
 
-def _unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's converter: it stores each head's rows as adjacent RoPE pairs; HF uses (i, i+d/2)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 class GGUFCheckpoint(SourceCheckpoint):
     def __init__(self, path: str | Path):
         import gguf
@@ -393,6 +370,8 @@ class GGUFCheckpoint(SourceCheckpoint):
             raise CheckpointError(f"{self.path}: cannot parse GGUF ({e}); the file is corrupt or truncated") from e
         arch = bytes(self._reader.fields["general.architecture"].parts[-1]).decode()
         self.spec = spec_for_gguf(arch)
+        self.names = GGUF_NAMES
+        self._gguf_arch = GGUF_ARCHS[arch]
         self._tensors = {t.name: t for t in self._reader.tensors}
         for t in self._reader.tensors:
             if t.data.nbytes < t.n_bytes:
@@ -408,14 +387,11 @@ class GGUFCheckpoint(SourceCheckpoint):
             cfg["vocab_size"] = len(tokens.data)
         cfg["architectures"] = [self.spec.hf_architectures[0]]
         cfg["model_type"] = self.spec.name
-        cfg.setdefault("tie_word_embeddings", "output.weight" not in self._tensors)
-        if self.spec.name == "qwen2" and "blk.0.attn_q.bias" in self._tensors:
+        cfg.setdefault("tie_word_embeddings", not self.has("head"))
+        if self.has("q", 0, "bias"):  # transformers' GGUF config does not say so (Qwen2's q/k/v biases)
             cfg["attention_bias"] = True
         self.config = cfg
         self.chat_template = parsed.get("tokenizer_config", {}).get("chat_template")
-
-    def name_of(self, role, layer=None, part="weight", expert=None):
-        return _tensor_name(GGUF_LAYER_ROLES, GGUF_GLOBAL_ROLES, GGUF_LAYER_PREFIX, role, layer, part)
 
     def tensor_names(self):
         return set(self._tensors)
@@ -426,9 +402,9 @@ class GGUFCheckpoint(SourceCheckpoint):
         if t is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the GGUF file")
         w = _dequantize(t)
-        if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
+        if self._gguf_arch.qk_rows_interleaved and role in ("q", "k"):
             heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
-            w = _unpermute_llama_qk(w, heads)
+            w = deinterleave_rope_rows(w, heads)
         w = np.ascontiguousarray(w)  # dequantized GGUF tensors are float32
         if not w.flags.writeable:  # unquantized tensors come back as views of the file mapping: own a copy
             w = w.copy()
