@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import build_tiny  # noqa: E402
+from aloepri.testing.tiny import build_tiny
 
 
 @pytest.fixture(scope="session")

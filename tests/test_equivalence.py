@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import aloepri
 from conftest import rmsnorm_in_input_dtype
-from tiny_models import MOE_ARCHS, TINY_ARCHS
+from aloepri.testing.tiny import MOE_ARCHS, TINY_ARCHS
 
 EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "llama_bias": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",

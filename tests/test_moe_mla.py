@@ -9,7 +9,7 @@ from aloepri.obfuscation.routing import expert_orders, routing_decisions, to_pla
 from aloepri.obfuscation.secrets import expert_order
 from conftest import rmsnorm_in_input_dtype
 from test_equivalence import load64
-from tiny_models import MOE_ARCHS
+from aloepri.testing.tiny import MOE_ARCHS
 
 
 @pytest.fixture(scope="module")
