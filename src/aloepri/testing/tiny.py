@@ -172,3 +172,8 @@ def dequantized_copy(src: Path, directory: Path) -> Path:
     if (src / "generation_config.json").is_file():
         shutil.copy(src / "generation_config.json", directory / "generation_config.json")
     return directory
+
+
+def tiny_variants(spec) -> list[str]:
+    """The TINY_ARCHS entries built as one of ``spec``'s Hugging Face architectures (an archs.ArchSpec)."""
+    return [name for name, (_, model, _) in TINY_ARCHS.items() if model in spec.hf_architectures]
