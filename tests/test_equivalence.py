@@ -11,6 +11,7 @@ import aloepri
 from conftest import rmsnorm_in_input_dtype
 from aloepri.testing.tiny import MOE_ARCHS
 
+
 def _restore_float64(model, path: Path) -> None:
     """transformers >= 5.24 keeps MoE router weights (and DeepSeek-V3's score bias) in float32 whatever dtype is
     asked for; reload such tensors from the float64 checkpoint, or the float32 rounding of the router would hide

@@ -85,15 +85,6 @@ def test_router_logits_are_permuted_and_optionally_normalised(normalize):
     assert (changed > 0.1) if normalize else (changed == 0.0), changed
 
 
-def test_moe_gguf_export_is_refused(tiny_dir, obfuscated_moe, tmp_path):
-    from aloepri.export.gguf import GGUFExportError, export_gguf
-
-    out, _ = obfuscated_moe("mixtral")
-    with pytest.raises(GGUFExportError, match="MoE or MLA"):
-        export_gguf(out, tmp_path / "m.gguf")
-    assert not (tmp_path / "m.gguf").exists()
-
-
 def test_missing_expert_tensor_is_reported_before_writing(tiny_dir, tmp_path):
     import json
     import shutil

@@ -23,8 +23,8 @@ from ..storage.safetensors_dir import INDEX_FILE, SafetensorsDir, SafetensorsErr
 from ..storage.safetensors_stream import StreamedFile
 from ..storage.sources import pretrained_kwargs
 from ..storage.staging import clean_stale, make_staging_dir, staging_prefix
-from .archs import GGUF_ARCHS, GGUF_NAMES, ArchSpec, TensorNames, UnknownRoleError, fp8_weight_pattern, spec_for_gguf, \
-    spec_for_hf
+from .archs import GGUF_ARCHS, GGUF_NAMES, ArchSpec, TensorNames, UnknownRoleError, fp8_weight_pattern, role_shapes, \
+    spec_for_gguf, spec_for_hf
 from .fp8 import (BlockFp8, Fp8FormatError, check_scale, dequantize_blockwise, parse_quantization_config,
                   quantize_blockwise, scale_name)
 from .transforms import deinterleave_rope_rows
@@ -101,26 +101,18 @@ class SourceCheckpoint:
     def _validate_shapes(self) -> None:
         """config.json and the weights must agree before any arithmetic (a mismatch would surface as a matmul
         error deep inside the obfuscation)."""
-        cfg = self.config
         try:
-            d, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
-            heads = int(cfg["num_attention_heads"])
-            kv = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or d // heads)
-            inter = int(cfg["intermediate_size"])
+            shapes = role_shapes(self.spec, self.config)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{self.path}: config lacks a usable {e} entry") from None
-        expect: dict[tuple, list[int]] = {("embed", None): [vocab, d], ("final_norm", None): [d]}
-        if not self.tied_embeddings:
-            expect[("head", None)] = [vocab, d]
+        checked = [("embed", None), ("final_norm", None)] + ([] if self.tied_embeddings else [("head", None)])
         for i in range(self.num_layers):
-            expect[("attn_norm", i)] = [d]
-            expect[("ffn_norm", i)] = [d]
+            checked += [("attn_norm", i), ("ffn_norm", i)]
             if self.spec.attention != "mla":
-                expect.update({("q", i): [heads * head_dim, d], ("k", i): [kv * head_dim, d],
-                               ("v", i): [kv * head_dim, d], ("o", i): [d, heads * head_dim]})
+                checked += [(r, i) for r in ("q", "k", "v", "o")]
             if not self.is_moe_layer(i):
-                expect.update({("gate", i): [inter, d], ("up", i): [inter, d], ("down", i): [d, inter]})
+                checked += [(r, i) for r in ("gate", "up", "down")]
+        expect = {(role, layer): list(shapes[role]) for role, layer in checked}
         for (role, layer), want in expect.items():
             name = self.name_of(role, layer)
             got = list(self.tensor_shape(name))
@@ -131,23 +123,14 @@ class SourceCheckpoint:
                 )
 
     def attention_roles(self, layer: int) -> list[str]:
-        if self.spec.attention == "mla":
-            q = ["q_a", "q_a_norm", "q_b"] if self.config.get("q_lora_rank") else ["q"]
-            return ["attn_norm", *q, "kv_a", "kv_a_norm", "kv_b", "o"]
-        return ["attn_norm", "q", "k", "v", "o"] + (["q_norm", "k_norm"] if self.spec.qk_norm else [])
+        return self.spec.attention_roles(self.config)
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.spec.moe is not None and self.spec.moe.is_sparse_layer(self.config, layer)
+        return self.spec.is_moe_layer(self.config, layer)
 
     def mlp_roles(self, layer: int) -> list[tuple]:
         """Roles of the feed-forward block of ``layer``; for MoE layers as (role, expert) pairs."""
-        if not self.is_moe_layer(layer):
-            return ["ffn_norm", "gate", "up", "down"]
-        moe = self.spec.moe
-        roles = ["ffn_norm", "router"]
-        roles += ["shared_gate", "shared_up", "shared_down"] if moe.shared_expert else []
-        roles += ["shared_expert_gate"] if moe.shared_expert_gate else []
-        return roles + [(r, e) for e in range(self.num_experts) for r in ("expert_gate", "expert_up", "expert_down")]
+        return self.spec.mlp_roles(self.config, layer)
 
     @property
     def num_experts(self) -> int:
