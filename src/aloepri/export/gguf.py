@@ -150,12 +150,6 @@ def _exportable() -> str:
     return "/".join(sorted({n for n, s in SPECS.items() if s.gguf_export is not None}))
 
 
-def dense_layer_roles(spec: ArchSpec) -> tuple[str, ...]:
-    """The per-layer roles of a dense GQA model of ``spec``, in GGUF order."""
-    qk_norm = ("q_norm", "k_norm") if spec.qk_norm else ()
-    return ("attn_norm", "q", "k", "v", "o", *qk_norm, "ffn_norm", "gate", "up", "down")
-
-
 def _plan(cfg: dict[str, Any], reader: _Reader, spec: ArchSpec, qtype: str) -> tuple[list[_Item], dict[str, Any]]:
     import gguf
 
@@ -188,7 +182,7 @@ def _plan(cfg: dict[str, Any], reader: _Reader, spec: ArchSpec, qtype: str) -> t
     # token_embd for the output
     add(GGUF_NAMES.of("head"), hf.of("head"), is_table=True, required=not cfg.get("tie_word_embeddings"))
     for i in range(n_layer):
-        for role in dense_layer_roles(spec):
+        for role in spec.attention_roles(cfg) + spec.mlp_roles(cfg, i):  # dense GQA layers (spec.gguf_export)
             heads = n_head if role == "q" else n_kv
             perm = (lambda w, h=heads: interleave_rope_rows(w, h)) if target.qk_rows_interleaved and role in ("q", "k") \
                 else None
@@ -375,12 +369,14 @@ def plaintext_reference_dir(src: str | Path, directory: str | Path) -> Path:
     directory = Path(directory)
     ck = open_checkpoint(src)
     try:
+        if ck.spec.gguf_export is None:
+            raise GGUFExportError(f"a plaintext GGUF reference supports {_exportable()} models, not {ck.spec.name}")
         names = ck.spec.hf_names
         sd = {names.of(r): ck.get(r).float().contiguous() for r in ("embed", "final_norm")}
         if not ck.tied_embeddings:
             sd[names.of("head")] = ck.get("head").float().contiguous()
         for i in range(ck.num_layers):
-            for role in dense_layer_roles(ck.spec):
+            for role in ck.attention_roles(i) + ck.mlp_roles(i):
                 for part in ("weight", "bias") if role in LINEAR_ROLES else ("weight",):
                     if ck.has(role, i, part):
                         sd[names.of(role, i, part)] = ck.get(role, i, part).float().contiguous()

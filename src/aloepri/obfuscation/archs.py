@@ -180,8 +180,8 @@ class ArchSpec:
     # source's q bias, and an o_proj bias the source lacks (Qwen2) is written as zeros
     attention_bias_with_o: bool = False
     # Engines derive head_dim = hidden_size // num_heads for this architecture (vLLM and SGLang Qwen2-MoE, SGLang
-    # Mixtral): pad
-    # every head to (d + 2h) / num_heads so the output loads there unchanged (transforms.pad_attention_heads)
+    # Mixtral): pad every head to (d + 2h) / num_heads so the output loads there unchanged
+    # (transforms.pad_attention_heads)
     pad_heads: bool = False
     output_overrides: dict[str, Any] = field(default_factory=dict)  # config values forced in the output
     # linear roles that carry a bias: config switch -> roles biased when it is true ("": always, Qwen2's q/k/v)
