@@ -5,7 +5,7 @@
         [--work /tmp/aloepri-attack-routing]
 
 No real MoE checkpoint is available offline, so every number here is on the tiny random-weight models of
-tests/tiny_models.py (vocabulary 96, 2-3 layers, 8 experts top-2 unless the entry says otherwise), loaded float32
+src/aloepri/testing/tiny.py (vocabulary 96, 2-3 layers, 8 experts top-2 unless the entry says otherwise), loaded float32
 through the stock classes, obfuscated with seed 11. Random-weight models route mostly by token, which favours the
 attack; trained models route by context more. Plus the positive control (the weak target): Qwen3-MoE with 32
 experts, exact preset. Private prompts: ``--prompts`` random id sequences (seed 0) of ``--tokens`` ids after an
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -50,7 +49,7 @@ def _save(path: Path, entry: str, value: dict) -> None:
 def _target(arch: str, overrides: dict, preset: str, work: Path):
     import aloepri
     from aloepri.attacks.base import AttackTarget
-    from tiny_models import build_tiny
+    from aloepri.testing.tiny import build_tiny
 
     tag = arch + "".join(f"-{k}{v}" for k, v in overrides.items())
     d = work / tag
@@ -90,7 +89,6 @@ def main() -> int:
     ap.add_argument("--results", default=str(RESULTS))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from aloepri.attacks.base import Budget, PrivateData
     from aloepri.attacks.routing_leak import run_routing_leak
 

@@ -2,7 +2,7 @@
 experts.
 
 No MoE or MLA checkpoint with real weights is available offline here, so fidelity is measured on random-weight
-models of each architecture (tests/tiny_models.py configs, widened: d=256, vocab 2048, 3-4 layers), float32
+models of each architecture (src/aloepri/testing/tiny.py configs, widened: d=256, vocab 2048, 3-4 layers), float32
 through the stock classes; real-weight fidelity of the shared machinery is SmolLM2's (docs/design.md).
 
 Usage: python benchmarks/moe_mla.py [--parts fidelity ablation normalize memory] [--threads 1]
@@ -20,8 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_models import MOE_ARCHS, build_tiny  # noqa: E402
+from aloepri.testing.tiny import MOE_ARCHS, build_tiny
 
 RESULTS = Path(__file__).parent / "results" / "moe_mla.json"
 # noisy+noiseless: every key-matrix mechanism of `noisy` without the embedding/head noise, to separate the

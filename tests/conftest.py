@@ -5,9 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+import aloepri
+from aloepri.obfuscation.archs import SPECS
+from aloepri.testing.tiny import build_tiny
 
-from tiny_models import build_tiny  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # test modules import helpers from each other (serving_helpers)
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +25,25 @@ def tiny_dir(tmp_path_factory):
     return make
 
 
-_MODELING = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+@pytest.fixture(scope="session")
+def obfuscated(tiny_dir, tmp_path_factory):
+    """Factory: a tiny model obfuscated with ``preset`` (and overrides), once per session: (output dir, key)."""
+    cache = {}
+
+    def make(arch, preset="exact", seed=7, **overrides):
+        k = (arch, preset, seed, tuple(sorted(overrides.items())))
+        if k not in cache:
+            work = tmp_path_factory.mktemp(f"obf-{arch}")
+            params = aloepri.resolve_params(preset, **overrides)
+            aloepri.obfuscate(tiny_dir(arch), work / "out", work / "key.json", params, seed=seed,
+                              allow_weak_seed=True, progress=False)
+            cache[k] = (work / "out", aloepri.load_key(work / "key.json"))
+        return cache[k]
+
+    return make
+
+
+_MODELING = tuple(SPECS)  # a spec's name is its transformers model type (transformers.models.<name>)
 
 
 def _softmax_topk_router_forward(self, hidden_states):

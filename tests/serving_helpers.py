@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-SPECIALS = 3  # 0 pad, 1 bos, 2 eos (as in tiny_models.TINY_COMMON)
+SPECIALS = 3  # 0 pad, 1 bos, 2 eos (as in aloepri.testing.tiny.TINY_COMMON)
 
 
 class CharTokenizer:

@@ -95,7 +95,7 @@ def test_negative_control_unrelated_model(targets, tiny_dir, tmp_path):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import build_tiny
+    from aloepri.testing.tiny import build_tiny
 
     src, work, t = targets
     other = build_tiny("llama", tmp_path / "other", seed=99)

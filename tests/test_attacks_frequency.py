@@ -11,7 +11,7 @@ from aloepri.attacks import data as attack_data
 from aloepri.attacks.base import REGISTRY, AttackTarget, Budget, PrivateData
 from aloepri.attacks.frequency import (fit_ridge, nearest_rows, run_known_pair_ridge, tfma_match,
                                        tfma_stream_recovery)
-from tiny_models import build_tiny
+from aloepri.testing.tiny import build_tiny
 
 
 @pytest.fixture(scope="module")

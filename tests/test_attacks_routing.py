@@ -49,7 +49,7 @@ def test_refuses_dense_models():
 @pytest.fixture(scope="module")
 def weak_moe(tmp_path_factory):
     """The weak target: a tiny Qwen3-MoE with 32 experts (more distinctive routing), exact preset."""
-    from tiny_models import build_tiny
+    from aloepri.testing.tiny import build_tiny
 
     torch.set_num_threads(1)
     work = tmp_path_factory.mktemp("routing-weak")

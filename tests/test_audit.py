@@ -172,7 +172,7 @@ def test_no_provider_attack_ran_means_unknown(lossless, tmp_path, monkeypatch):
 def test_a_wrong_plaintext_model_is_flagged(lossless, tmp_path):
     """Given another model as PLAIN, the attacks recover little: the report must say the figure may be understated
     rather than let it pass as protection."""
-    from tiny_models import build_tiny  # tests/ is on the path (conftest.py)
+    from aloepri.testing.tiny import build_tiny
 
     src, work = lossless
     wrong = build_tiny("llama", tmp_path / "wrong-model", seed=99)

@@ -16,7 +16,7 @@ from aloepri.obfuscation.fp8 import (FP8_MAX, BlockFp8, dequantize_blockwise, fa
 from aloepri.obfuscation.sharding import ShardLayout, layout_of, tensor_parallel_problems
 from test_bad_inputs import _entries, _obfuscate_args, _one_error_line, _run
 from test_equivalence import _max_logit_error, load64
-from tiny_models import build_tiny, dequantized_copy, to_fp8_release
+from aloepri.testing.tiny import build_tiny, dequantized_copy, to_fp8_release
 
 # tiny checkpoints in the release format; blocks that leave partial edge blocks (48 = 32 + 16 columns)
 PARTIAL = {"qwen3": (16, 32), "qwen3_moe": (8, 32), "deepseek_v3": (8, 32)}

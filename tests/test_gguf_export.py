@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import aloepri
-from aloepri.obfuscation.checkpoint import _unpermute_llama_qk
-from aloepri.export.gguf import GGUFExportError, export_gguf, permute_qk_rows, plaintext_reference_dir
+from aloepri.export.gguf import GGUFExportError, export_gguf, plaintext_reference_dir
+from aloepri.obfuscation.transforms import deinterleave_rope_rows, interleave_rope_rows
 from aloepri.obfuscation.server_tokenizer import (
     SPACE_MARK,
     build_hf_tokenizer,
@@ -82,9 +82,10 @@ def test_qk_permutation_is_the_inverse_of_the_reader():
     rng = np.random.default_rng(0)
     for shape, heads in (((6 * 8, 20), 6), ((2 * 16,), 2)):
         w = rng.standard_normal(shape)
-        p = permute_qk_rows(w, heads)
+        p = interleave_rope_rows(w, heads)
         assert not np.array_equal(p, w)
-        np.testing.assert_array_equal(_unpermute_llama_qk(p, heads), w)
+        np.testing.assert_array_equal(deinterleave_rope_rows(p, heads), w)
+        np.testing.assert_array_equal(interleave_rope_rows(torch.from_numpy(w), heads).numpy(), p)  # torch too
         # adjacent RoPE pairs: row 2i+1 of a head is HF row i + head_dim/2
         hd = shape[0] // heads
         np.testing.assert_array_equal(p[1], w[hd // 2])
@@ -133,7 +134,7 @@ def test_without_rope_pair_permutation_the_logits_are_wrong(obf, tmp_path, monke
     out, key, _ = obf("llama")
     ids = key.encode_ids(list(range(3, 27)))
     ref, floor = _reference_and_yardstick(out, ids)
-    monkeypatch.setattr("aloepri.export.gguf.permute_qk_rows", lambda w, n: w)
+    monkeypatch.setattr("aloepri.export.gguf.interleave_rope_rows", lambda w, n: w)
     export_gguf(out, tmp_path / "bad.gguf", "f32")
     err = np.abs(_llama_logits(tmp_path / "bad.gguf", ids) - ref).max()
     assert err > 100 * (3 * floor + 1e-6), err
@@ -202,7 +203,7 @@ def test_reduced_precision_types(qtype, obf32, tmp_path):
         wq = f.get_tensor("model.layers.1.self_attn.q_proj.weight").float().numpy()
     t = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
     got = gguf.dequantize(t.data, t.tensor_type).reshape(wq.shape)
-    want = permute_qk_rows(wq, 4)
+    want = interleave_rope_rows(wq, 4)
     qt = t.tensor_type
     want = want.astype(np.float16).astype(np.float32) if qtype == "f16" else gguf.dequantize(gguf.quantize(want, qt), qt)
     np.testing.assert_array_equal(got, want)

@@ -26,7 +26,7 @@ from aloepri.testing.engines import free_port
 from serving_helpers import CharTokenizer, Recorder, greedy
 
 PROMPT = [5, 17, 33, 40, 8, 61]
-CONTEXT = 128  # tiny_models.TINY_COMMON max_position_embeddings
+CONTEXT = 128  # aloepri.testing.tiny.TINY_COMMON max_position_embeddings
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 import aloepri
 from aloepri.keyfile import load_key
 from aloepri.obfuscation.params import resolve_params
-from tiny_models import build_tiny
+from aloepri.testing.tiny import build_tiny
 
 
 def test_rope_scaling_and_top_level_theta_survive(tmp_path):

@@ -295,7 +295,7 @@ def tiny_on_vllm_ranks(vllm_py, tmp_path_factory):
     import aloepri
     import torch
     from aloepri.keyfile import load_key
-    from tiny_models import build_tiny
+    from aloepri.testing.tiny import build_tiny
 
     work = tmp_path_factory.mktemp("vllm-tiny-tp")
     try:

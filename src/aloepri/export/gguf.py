@@ -27,8 +27,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..keyfile import MODEL_META_FILE, MODEL_META_FORMAT, read_model_meta
-from ..obfuscation.archs import HF_GLOBAL_ROLES, HF_LAYER_PREFIX, HF_LAYER_ROLES, GGUF_GLOBAL_ROLES, GGUF_LAYER_PREFIX, \
-    GGUF_LAYER_ROLES, LINEAR_ROLES, UnsupportedArchitectureError, spec_for_hf
+from ..obfuscation.archs import GGUF_ARCHS, GGUF_NAMES, LINEAR_ROLES, SPECS, ArchSpec, UnsupportedArchitectureError, \
+    spec_for_hf
+from ..obfuscation.transforms import interleave_rope_rows
 from ..obfuscation.server_tokenizer import add_gguf_tokenizer, eos_ids_of
 from ..storage.safetensors_dir import SafetensorsDir, SafetensorsError
 from ..storage.staging import check_writable_destination, clean_stale, make_staging_file
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 QTYPES = ("f32", "f16", "q8_0", "q4_0", "q5_0")
 BLOCK = 32  # block size of q8_0 / q4_0 / q5_0
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3"}
 
 
 class GGUFExportError(ValueError):
@@ -61,16 +61,6 @@ class ExportResult:
     n_tensors: int
     bytes_written: int
     seconds: float
-
-
-def permute_qk_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """HF rotate-half row order -> llama.cpp's adjacent RoPE pairs, per head (weights [rows, in] or biases
-    [rows]); the inverse of ``obfuscation.checkpoint._unpermute_llama_qk``."""
-    rows = w.shape[0]
-    if rows % n_head or (rows // n_head) % 2:
-        raise GGUFExportError(f"cannot split {rows} q/k rows into {n_head} heads of even size")
-    half = rows // n_head // 2
-    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _gguf_types(qtype: str):
@@ -155,7 +145,12 @@ def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> np
     return (1.0 / ((1.0 - smooth) / factor + smooth)).astype(np.float32)
 
 
-def _plan(cfg: dict[str, Any], reader: _Reader, spec_name: str, qtype: str) -> tuple[list[_Item], dict[str, Any]]:
+def _exportable() -> str:
+    """The architectures whose outputs export to GGUF, for messages."""
+    return "/".join(sorted({n for n, s in SPECS.items() if s.gguf_export is not None}))
+
+
+def _plan(cfg: dict[str, Any], reader: _Reader, spec: ArchSpec, qtype: str) -> tuple[list[_Item], dict[str, Any]]:
     import gguf
 
     D = int(cfg["hidden_size"])
@@ -166,7 +161,10 @@ def _plan(cfg: dict[str, Any], reader: _Reader, spec_name: str, qtype: str) -> t
     vocab = int(cfg["vocab_size"])
     mat_t, table_t, _ = _gguf_types(qtype)
     F32 = gguf.GGMLQuantizationType.F32
-    interleave = GGUF_ARCH[spec_name] == "llama"
+    target = GGUF_ARCHS[spec.gguf_export]
+    hf = spec.hf_names
+    if target.qk_rows_interleaved and head_dim % 2:
+        raise GGUFExportError(f"head_dim {head_dim} is odd; llama.cpp's {spec.gguf_export} needs RoPE pairs")
     items: list[_Item] = []
 
     def add(gname: str, hname: str, transform=None, required=True, is_table=False):
@@ -178,32 +176,27 @@ def _plan(cfg: dict[str, Any], reader: _Reader, spec_name: str, qtype: str) -> t
         qt = F32 if len(shape) == 1 else (table_t if is_table else mat_t)
         items.append(_Item(gname, hname, shape, qt, transform))
 
-    add(GGUF_GLOBAL_ROLES["embed"], HF_GLOBAL_ROLES["embed"], is_table=True)
-    add(GGUF_GLOBAL_ROLES["final_norm"], HF_GLOBAL_ROLES["final_norm"])
+    add(GGUF_NAMES.of("embed"), hf.of("embed"), is_table=True)
+    add(GGUF_NAMES.of("final_norm"), hf.of("final_norm"))
     # obfuscated models always have their own head; a plain tied checkpoint has none and llama.cpp then reuses
     # token_embd for the output
-    add(GGUF_GLOBAL_ROLES["head"], HF_GLOBAL_ROLES["head"], is_table=True, required=not cfg.get("tie_word_embeddings"))
+    add(GGUF_NAMES.of("head"), hf.of("head"), is_table=True, required=not cfg.get("tie_word_embeddings"))
     for i in range(n_layer):
-        hp, gp = HF_LAYER_PREFIX.format(i=i), GGUF_LAYER_PREFIX.format(i=i)
-        for role in ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "ffn_norm", "gate", "up", "down"):
-            if role in ("q_norm", "k_norm") and spec_name != "qwen3":
-                continue
+        for role in spec.attention_roles(cfg) + spec.mlp_roles(cfg, i):  # dense GQA layers (spec.gguf_export)
             heads = n_head if role == "q" else n_kv
-            perm = (lambda w, h=heads: permute_qk_rows(w, h)) if interleave and role in ("q", "k") else None
+            perm = (lambda w, h=heads: interleave_rope_rows(w, h)) if target.qk_rows_interleaved and role in ("q", "k") \
+                else None
+            add(GGUF_NAMES.of(role, i), hf.of(role, i), perm)
             if role in LINEAR_ROLES:
-                add(gp + GGUF_LAYER_ROLES[role] + ".weight", hp + HF_LAYER_ROLES[role] + ".weight", perm)
-                add(gp + GGUF_LAYER_ROLES[role] + ".bias", hp + HF_LAYER_ROLES[role] + ".bias", perm, required=False)
-            else:
-                add(gp + GGUF_LAYER_ROLES[role], hp + HF_LAYER_ROLES[role], None)
+                add(GGUF_NAMES.of(role, i, "bias"), hf.of(role, i, "bias"), perm, required=False)
 
     # shape checks against what llama.cpp will create
-    expect = {GGUF_GLOBAL_ROLES["embed"]: [vocab, D], GGUF_GLOBAL_ROLES["head"]: [vocab, D]}
+    expect = {GGUF_NAMES.of("embed"): [vocab, D], GGUF_NAMES.of("head"): [vocab, D]}
     for i in range(n_layer):
-        gp = GGUF_LAYER_PREFIX.format(i=i)
-        expect[gp + "attn_q.weight"] = [n_head * head_dim, D]
-        expect[gp + "attn_k.weight"] = [n_kv * head_dim, D]
-        expect[gp + "attn_v.weight"] = [n_kv * head_dim, D]
-        expect[gp + "attn_output.weight"] = [D, n_head * head_dim]
+        expect[GGUF_NAMES.of("q", i)] = [n_head * head_dim, D]
+        expect[GGUF_NAMES.of("k", i)] = [n_kv * head_dim, D]
+        expect[GGUF_NAMES.of("v", i)] = [n_kv * head_dim, D]
+        expect[GGUF_NAMES.of("o", i)] = [D, n_head * head_dim]
     for it in items:
         want = expect.get(it.gguf_name)
         if want is not None and list(it.shape) != want:
@@ -214,13 +207,13 @@ def _plan(cfg: dict[str, Any], reader: _Reader, spec_name: str, qtype: str) -> t
                 "quantization block; export with --type f16 or f32 (or obfuscate with an h that makes d+2h a "
                 f"multiple of {BLOCK})"
             )
-    if spec_name == "qwen3":
+    if not target.o_bias:
+        o_biases = {GGUF_NAMES.of("o", i, "bias") for i in range(n_layer)}
         for it in items:
-            if it.gguf_name.endswith("attn_output.bias"):
-                if np.any(reader.get(it.hf_name)):
-                    raise GGUFExportError("llama.cpp's qwen3 has no attention output bias, but this model has a "
-                                          "nonzero o_proj.bias; it cannot be exported to GGUF")
-        items = [it for it in items if not it.gguf_name.endswith("attn_output.bias")]
+            if it.gguf_name in o_biases and np.any(reader.get(it.hf_name)):
+                raise GGUFExportError(f"llama.cpp's {spec.gguf_export} has no attention output bias, but this model "
+                                      "has a nonzero o_proj.bias; it cannot be exported to GGUF")
+        items = [it for it in items if it.gguf_name not in o_biases]
     dims = dict(D=D, n_head=n_head, n_kv=n_kv, head_dim=head_dim, n_layer=n_layer, vocab=vocab)
     return items, dims
 
@@ -260,24 +253,24 @@ def export_gguf(model_dir: str | Path, outfile: str | Path, qtype: str = "f32", 
         spec = spec_for_hf(cfg.get("architectures"))
     except UnsupportedArchitectureError as e:
         raise GGUFExportError(f"GGUF export: {e}") from e
-    if not spec.gguf_export:
-        raise GGUFExportError(f"GGUF export supports dense Llama/Mistral/Qwen2/Qwen3 models; {spec.name} (MoE or MLA) "
-                              "is served from the obfuscated safetensors directory (transformers/vLLM/SGLang, "
-                              "docs/moe-mla.md)")
+    if spec.gguf_export is None:
+        raise GGUFExportError(f"GGUF export supports {_exportable()} models; {spec.name} (MoE or MLA) is served from "
+                              "the obfuscated safetensors directory (transformers/vLLM/SGLang, docs/moe-mla.md)")
     if cfg.get("quantization_config"):
         raise GGUFExportError(f"{model_dir} holds FP8 block-quantized weights (served as they are by vLLM/SGLang); "
                               "for GGUF obfuscate with --dtype float32 or bfloat16 and export that")
-    if spec.name not in GGUF_ARCH or cfg.get("model_type") not in ("llama", "mistral", "qwen3"):
-        raise GGUFExportError(f"GGUF export supports obfuscated Llama/Mistral/Qwen3 directories, not {cfg.get('architectures')}")
-    arch = GGUF_ARCH[spec.name]
-    if spec.name == "mistral" and cfg.get("sliding_window"):
-        log.warning("sliding_window=%s is ignored: llama.cpp's llama arch attends over the whole context "
-                    "(identical results up to that many tokens)", cfg["sliding_window"])
+    if cfg.get("model_type") != spec.output_model_type:  # a source (Qwen2) rather than an output declaration
+        raise GGUFExportError(f"GGUF export supports obfuscated {_exportable()} directories (declared as "
+                              f"{spec.output_architecture}), not {cfg.get('architectures')}")
+    arch = spec.gguf_export
+    if "sliding_window" in spec.passthrough_config and cfg.get("sliding_window"):
+        log.warning("sliding_window=%s is ignored: llama.cpp's %s arch attends over the whole context "
+                    "(identical results up to that many tokens)", cfg["sliding_window"], arch)
     if cfg.get("mlp_bias"):
         raise GGUFExportError("mlp_bias=true is not supported by the GGUF export")
 
     reader = _Reader(model_dir)
-    items, dims = _plan(cfg, reader, spec.name, qtype)
+    items, dims = _plan(cfg, reader, spec, qtype)
     theta, scaling = _rope_metadata(cfg, dims["head_dim"])
     eos = eos_ids_of(model_dir)
     if not eos:
@@ -376,28 +369,28 @@ def plaintext_reference_dir(src: str | Path, directory: str | Path) -> Path:
     directory = Path(directory)
     ck = open_checkpoint(src)
     try:
-        sd = {HF_GLOBAL_ROLES[r]: ck.get(r).float().contiguous() for r in ("embed", "final_norm")}
+        if ck.spec.gguf_export is None:
+            raise GGUFExportError(f"a plaintext GGUF reference supports {_exportable()} models, not {ck.spec.name}")
+        names = ck.spec.hf_names
+        sd = {names.of(r): ck.get(r).float().contiguous() for r in ("embed", "final_norm")}
         if not ck.tied_embeddings:
-            sd[HF_GLOBAL_ROLES["head"]] = ck.get("head").float().contiguous()
+            sd[names.of("head")] = ck.get("head").float().contiguous()
         for i in range(ck.num_layers):
-            for role in ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "ffn_norm", "gate", "up", "down"):
-                if role in ("q_norm", "k_norm") and not ck.spec.qk_norm:
-                    continue
+            for role in ck.attention_roles(i) + ck.mlp_roles(i):
                 for part in ("weight", "bias") if role in LINEAR_ROLES else ("weight",):
                     if ck.has(role, i, part):
-                        name = HF_LAYER_PREFIX.format(i=i) + HF_LAYER_ROLES[role] + (f".{part}" if role in LINEAR_ROLES else "")
-                        sd[name] = ck.get(role, i, part).float().contiguous()
+                        sd[names.of(role, i, part)] = ck.get(role, i, part).float().contiguous()
         cfg = {k: v for k, v in ck.config.items() if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
         cfg.update(architectures=[ck.spec.output_architecture], model_type=ck.spec.output_model_type,
                    tie_word_embeddings=ck.tied_embeddings, dtype="float32")
-        if ck.spec.name == "qwen2":
+        if ck.spec.attention_bias_with_o:
             cfg["attention_bias"] = ck.has("q", 0, "bias")
             if cfg["attention_bias"]:
-                # Llama's attention_bias also declares o_proj.bias, which Qwen2 does not have: written as zeros,
-                # or vLLM serves whatever its uninitialised buffer holds (measured: token 0 on every step)
+                # the declared attention_bias also declares o_proj.bias, which Qwen2 does not have: written as
+                # zeros, or vLLM serves whatever its uninitialised buffer holds (measured: token 0 on every step)
                 for i in range(ck.num_layers):
-                    name = HF_LAYER_PREFIX.format(i=i) + HF_LAYER_ROLES["o"] + ".bias"
-                    sd.setdefault(name, torch.zeros(int(ck.config["hidden_size"]), dtype=torch.float32))
+                    sd.setdefault(names.of("o", i, "bias"), torch.zeros(int(ck.config["hidden_size"]),
+                                                                        dtype=torch.float32))
         directory.mkdir(parents=True, exist_ok=False)
         save_file(sd, str(directory / "model.safetensors"))
         # marks the directory as aloepri's own (export_gguf accepts it); it is a plaintext model, not for a server

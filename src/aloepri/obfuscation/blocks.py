@@ -95,8 +95,8 @@ class GQAAttention(_OneStep):
             attn = {k: t.cpu() for k, t in attn.items()}  # the padding draws its fill on the CPU
             attn = pad_attention_heads(attn, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                                        secrets.hidden_size // shape.num_heads, secrets.rng("head-padding", i))
-        if ctx.has_qkv_bias and spec.output_model_type == "llama" and "o_bias" not in attn:
-            # Llama's attention_bias switch also declares o_proj.bias; Qwen2 has none, so it is zero (and stays zero).
+        if ctx.has_qkv_bias and spec.attention_bias_with_o and "o_bias" not in attn:
+            # the output's attention_bias switch also declares o_proj.bias; a source without one gets zeros
             attn["o_bias"] = torch.zeros(attn["o"].shape[0], dtype=torch.float64)
         _put_all(ctx.put, attn)
         return flops
@@ -238,7 +238,7 @@ class VocabularyBlocks:
         embed = plan.source.get("embed", dtype=None)  # stored precision; converted block by block
         factor = plan.noise_factors[0] if plan.noise_factors is not None and params.alpha_e > 0 else None
         plan.flops += 2.0 * embed.shape[0] * plan.shape.d * secrets.hidden_size
-        yield StreamedTensor("model.embed_tokens.weight", (embed.shape[0], secrets.hidden_size), plan.out_dtype,
+        yield StreamedTensor(plan.spec.hf_names.of("embed"), (embed.shape[0], secrets.hidden_size), plan.out_dtype,
                              obfuscate_embedding_blocks(embed, plan.vocab_perm, secrets.writer_P("embed"),
                                                         params.alpha_e, secrets.rng("noise", "embed"), plan.out_dtype,
                                                         params.noise_shape, factor, plan.compute_dtype, plan.device))
@@ -250,11 +250,11 @@ class VocabularyBlocks:
         server_norm, reader_norm = split_norm_weight(source.get("final_norm"), plan.kappa, secrets.kept_columns, D)
         factor = plan.noise_factors[1] if plan.noise_factors is not None and params.alpha_h > 0 else None
         plan.flops += 2.0 * head.shape[0] * plan.shape.d * D
-        yield StreamedTensor("lm_head.weight", (head.shape[0], D), plan.out_dtype,
+        yield StreamedTensor(plan.spec.hf_names.of("head"), (head.shape[0], D), plan.out_dtype,
                              obfuscate_head_blocks(head, reader_norm, plan.vocab_perm, secrets.reader_Q("head"),
                                                    params.alpha_h, secrets.rng("noise", "head"), plan.out_dtype,
                                                    params.noise_shape, factor, plan.compute_dtype, plan.device))
-        yield "model.norm.weight", server_norm.to(plan.out_dtype)
+        yield plan.spec.hf_names.of("final_norm"), server_norm.to(plan.out_dtype)
 
 
 VOCABULARY = VocabularyBlocks()

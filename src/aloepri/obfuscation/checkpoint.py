@@ -23,34 +23,15 @@ from ..storage.safetensors_dir import INDEX_FILE, SafetensorsDir, SafetensorsErr
 from ..storage.safetensors_stream import StreamedFile
 from ..storage.sources import pretrained_kwargs
 from ..storage.staging import clean_stale, make_staging_dir, staging_prefix
-from .archs import (
-    GGUF_GLOBAL_ROLES,
-    GGUF_LAYER_PREFIX,
-    GGUF_LAYER_ROLES,
-    HF_GLOBAL_ROLES,
-    HF_LAYER_PREFIX,
-    LINEAR_ROLES,
-    ArchSpec,
-    fp8_weight_pattern,
-    spec_for_gguf,
-    spec_for_hf,
-)
+from .archs import GGUF_ARCHS, GGUF_NAMES, ArchSpec, TensorNames, UnknownRoleError, fp8_weight_pattern, role_shapes, \
+    spec_for_gguf, spec_for_hf
 from .fp8 import (BlockFp8, Fp8FormatError, check_scale, dequantize_blockwise, parse_quantization_config,
                   quantize_blockwise, scale_name)
+from .transforms import deinterleave_rope_rows
 
 
 class CheckpointError(ValueError):
     """A source checkpoint is missing, truncated, corrupt or incomplete."""
-
-
-def _tensor_name(roles: dict, global_roles: dict, prefix: str, role: str, layer: int | None, part: str,
-                 expert: int | None = None) -> str:
-    if layer is None:
-        return global_roles[role]
-    if role not in roles:
-        raise CheckpointError(f"tensor role {role!r} does not exist in this checkpoint format")
-    base = prefix.format(i=layer) + roles[role].format(e=expert)
-    return f"{base}.{part}" if role in LINEAR_ROLES else base
 
 
 class SourceCheckpoint:
@@ -60,9 +41,13 @@ class SourceCheckpoint:
     spec: ArchSpec
     path: Path
     fp8: BlockFp8 | None = None  # the block format of an FP8 source (its linear weights are read dequantized)
+    names: TensorNames  # the naming scheme of the stored tensors
 
     def name_of(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
-        raise NotImplementedError
+        try:
+            return self.names.of(role, layer, part, expert)
+        except UnknownRoleError:
+            raise CheckpointError(f"tensor role {role!r} does not exist in this checkpoint format") from None
 
     def has(self, role: str, layer: int | None = None, part: str = "weight", expert: int | None = None) -> bool:
         return self.name_of(role, layer, part, expert) in self.tensor_names()
@@ -116,26 +101,18 @@ class SourceCheckpoint:
     def _validate_shapes(self) -> None:
         """config.json and the weights must agree before any arithmetic (a mismatch would surface as a matmul
         error deep inside the obfuscation)."""
-        cfg = self.config
         try:
-            d, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
-            heads = int(cfg["num_attention_heads"])
-            kv = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or d // heads)
-            inter = int(cfg["intermediate_size"])
+            shapes = role_shapes(self.spec, self.config)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{self.path}: config lacks a usable {e} entry") from None
-        expect: dict[tuple, list[int]] = {("embed", None): [vocab, d], ("final_norm", None): [d]}
-        if not self.tied_embeddings:
-            expect[("head", None)] = [vocab, d]
+        checked = [("embed", None), ("final_norm", None)] + ([] if self.tied_embeddings else [("head", None)])
         for i in range(self.num_layers):
-            expect[("attn_norm", i)] = [d]
-            expect[("ffn_norm", i)] = [d]
+            checked += [("attn_norm", i), ("ffn_norm", i)]
             if self.spec.attention != "mla":
-                expect.update({("q", i): [heads * head_dim, d], ("k", i): [kv * head_dim, d],
-                               ("v", i): [kv * head_dim, d], ("o", i): [d, heads * head_dim]})
+                checked += [(r, i) for r in ("q", "k", "v", "o")]
             if not self.is_moe_layer(i):
-                expect.update({("gate", i): [inter, d], ("up", i): [inter, d], ("down", i): [d, inter]})
+                checked += [(r, i) for r in ("gate", "up", "down")]
+        expect = {(role, layer): list(shapes[role]) for role, layer in checked}
         for (role, layer), want in expect.items():
             name = self.name_of(role, layer)
             got = list(self.tensor_shape(name))
@@ -146,23 +123,14 @@ class SourceCheckpoint:
                 )
 
     def attention_roles(self, layer: int) -> list[str]:
-        if self.spec.attention == "mla":
-            q = ["q_a", "q_a_norm", "q_b"] if self.config.get("q_lora_rank") else ["q"]
-            return ["attn_norm", *q, "kv_a", "kv_a_norm", "kv_b", "o"]
-        return ["attn_norm", "q", "k", "v", "o"] + (["q_norm", "k_norm"] if self.spec.qk_norm else [])
+        return self.spec.attention_roles(self.config)
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.spec.moe is not None and self.spec.moe.is_sparse_layer(self.config, layer)
+        return self.spec.is_moe_layer(self.config, layer)
 
     def mlp_roles(self, layer: int) -> list[tuple]:
         """Roles of the feed-forward block of ``layer``; for MoE layers as (role, expert) pairs."""
-        if not self.is_moe_layer(layer):
-            return ["ffn_norm", "gate", "up", "down"]
-        moe = self.spec.moe
-        roles = ["ffn_norm", "router"]
-        roles += ["shared_gate", "shared_up", "shared_down"] if moe.shared_expert else []
-        roles += ["shared_expert_gate"] if moe.shared_expert_gate else []
-        return roles + [(r, e) for e in range(self.num_experts) for r in ("expert_gate", "expert_up", "expert_down")]
+        return self.spec.mlp_roles(self.config, layer)
 
     @property
     def num_experts(self) -> int:
@@ -183,6 +151,7 @@ class SafetensorsCheckpoint(SourceCheckpoint):
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
         self.spec = spec_for_hf(self.config.get("architectures"))
+        self.names = self.spec.hf_names
         try:
             self.fp8 = parse_quantization_config(self.config)  # None: unquantized
         except Fp8FormatError as e:
@@ -191,9 +160,6 @@ class SafetensorsCheckpoint(SourceCheckpoint):
             self._tensors = SafetensorsDir(self.path)
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from None
-
-    def name_of(self, role, layer=None, part="weight", expert=None):
-        return _tensor_name(self.spec.hf_role_names(), HF_GLOBAL_ROLES, HF_LAYER_PREFIX, role, layer, part, expert)
 
     def tensor_names(self):
         return self._tensors.names()
@@ -371,12 +337,6 @@ def _q5_0_rows(rows: np.ndarray) -> np.ndarray:
     return (d * q.astype(np.float32)).reshape(rows.shape[0], -1)
 
 
-def _unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's converter: it stores each head's rows as adjacent RoPE pairs; HF uses (i, i+d/2)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 class GGUFCheckpoint(SourceCheckpoint):
     def __init__(self, path: str | Path):
         import gguf
@@ -393,6 +353,8 @@ class GGUFCheckpoint(SourceCheckpoint):
             raise CheckpointError(f"{self.path}: cannot parse GGUF ({e}); the file is corrupt or truncated") from e
         arch = bytes(self._reader.fields["general.architecture"].parts[-1]).decode()
         self.spec = spec_for_gguf(arch)
+        self.names = GGUF_NAMES
+        self._gguf_arch = GGUF_ARCHS[arch]
         self._tensors = {t.name: t for t in self._reader.tensors}
         for t in self._reader.tensors:
             if t.data.nbytes < t.n_bytes:
@@ -408,14 +370,11 @@ class GGUFCheckpoint(SourceCheckpoint):
             cfg["vocab_size"] = len(tokens.data)
         cfg["architectures"] = [self.spec.hf_architectures[0]]
         cfg["model_type"] = self.spec.name
-        cfg.setdefault("tie_word_embeddings", "output.weight" not in self._tensors)
-        if self.spec.name == "qwen2" and "blk.0.attn_q.bias" in self._tensors:
+        cfg.setdefault("tie_word_embeddings", not self.has("head"))
+        if self.has("q", 0, "bias"):  # transformers' GGUF config does not say so (Qwen2's q/k/v biases)
             cfg["attention_bias"] = True
         self.config = cfg
         self.chat_template = parsed.get("tokenizer_config", {}).get("chat_template")
-
-    def name_of(self, role, layer=None, part="weight", expert=None):
-        return _tensor_name(GGUF_LAYER_ROLES, GGUF_GLOBAL_ROLES, GGUF_LAYER_PREFIX, role, layer, part)
 
     def tensor_names(self):
         return set(self._tensors)
@@ -426,9 +385,9 @@ class GGUFCheckpoint(SourceCheckpoint):
         if t is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the GGUF file")
         w = _dequantize(t)
-        if self.spec.gguf_qk_rows_interleaved and role in ("q", "k"):
+        if self._gguf_arch.qk_rows_interleaved and role in ("q", "k"):
             heads = self.config["num_attention_heads"] if role == "q" else self.config["num_key_value_heads"]
-            w = _unpermute_llama_qk(w, heads)
+            w = deinterleave_rope_rows(w, heads)
         w = np.ascontiguousarray(w)  # dequantized GGUF tensors are float32
         if not w.flags.writeable:  # unquantized tensors come back as views of the file mapping: own a copy
             w = w.copy()

@@ -28,7 +28,7 @@ from ..keyfile import (FINGERPRINTED, MODEL_META_FILE, MODEL_META_FORMAT, KeyFil
                        recover_or_clean_staged_keys, stage_key)
 from ..storage.staging import check_writable_destination
 from ..storage.devices import resolve_device
-from .archs import LINEAR_ROLES, ArchSpec
+from .archs import ArchSpec, TensorNames
 from . import keymat
 from .blocks import VOCABULARY, LayerContext, StreamedTensor, attention_kind, feed_forward_kind
 from .checkpoint import (AtomicOutputDir, BlockFp8Writer, CheckpointError, ShardedWriter, SourceCheckpoint,
@@ -104,9 +104,8 @@ def output_config(src_cfg: dict[str, Any], spec: ArchSpec, shape: ModelShape, hi
     else:
         kw.update(attention_kind(spec).config_fields(shape))
     kw.update(spec.output_overrides)
-    if spec.output_model_type == "llama":
+    if spec.attention_bias_with_o:
         kw["attention_bias"] = has_qkv_bias
-        kw.setdefault("mlp_bias", False)
     cfg = AutoConfig.for_model(spec.output_model_type, **kw)
     d = cfg.to_dict()
     d["architectures"] = [spec.output_architecture]
@@ -338,11 +337,12 @@ def obfuscated_tensors(plan: ObfuscationPlan) -> Iterator[tuple[str, torch.Tenso
         yield from _obfuscate_layer(plan, i)
 
 
-def _block_of(name: str) -> str:
-    """The block an output tensor belongs to, for timing: embedding, head or layer i."""
-    if name.startswith("model.layers."):
-        return "layer " + name.split(".")[2]
-    return "embedding" if name.startswith("model.embed_tokens") else "head"
+def _block_of(names: TensorNames, name: str) -> str:
+    """The block an output tensor belongs to, for timing: embedding, head (with the final norm) or layer i."""
+    layer = names.layer_of(name)
+    if layer is not None:
+        return f"layer {layer}"
+    return "embedding" if name == names.of("embed") else "head"
 
 
 def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, params: ObfuscationParams, seed: int,
@@ -377,10 +377,10 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         t, block = time.perf_counter(), None
         for item in tensors:
             name = item.name if isinstance(item, StreamedTensor) else item[0]
-            if _block_of(name) != block:
+            if _block_of(spec.hf_names, name) != block:
                 if block is not None:
                     steps.update(1)
-                block = _block_of(name)
+                block = _block_of(spec.hf_names, name)
             if isinstance(item, StreamedTensor):
                 if name in FINGERPRINTED:  # in FINGERPRINTED's order: the embedding, then the head
                     hashed.append(background.submit(fingerprint_begin, fp, name, item.dtype, item.shape))
@@ -471,23 +471,20 @@ def _obfuscate_layer(plan: ObfuscationPlan, i: int) -> Iterator[tuple[str, torch
     (blocks.py). Yields its output tensors (CPU, output dtype) in writing order, a MoE layer's expert by expert;
     adds its FLOPs to the plan."""
     source, secrets, spec, out_dtype = plan.source, plan.secrets, plan.spec, plan.layer_dtype
-    prefix = f"model.layers.{i}."
-    names = spec.hf_role_names()
+    names = spec.hf_names
     ready: list[tuple[str, torch.Tensor]] = []
 
     def put(role: str, tensor: torch.Tensor, part: str = "weight", expert: int | None = None) -> None:
-        name = prefix + names[role].format(e=expert)
-        ready.append((name + f".{part}" if role in LINEAR_ROLES else name, tensor.to(device="cpu", dtype=out_dtype)))
+        ready.append((names.of(role, i, part, expert), tensor.to(device="cpu", dtype=out_dtype)))
 
     norms = {role: split_norm_weight(source.get(role, i), plan.kappa, secrets.kept_columns, secrets.hidden_size)
              for role in ("attn_norm", "ffn_norm")}
     ctx = LayerContext(source, secrets, plan.shape, spec, plan.params, plan.has_qkv_bias, put,
                        reader_norms={role: reader for role, (_, reader) in norms.items()},
                        compute_dtype=plan.compute_dtype, device=plan.device)
-    for kind, norm_name, norm in ((attention_kind(spec), "input_layernorm.weight", norms["attn_norm"][0]),
-                                  (feed_forward_kind(source, i), "post_attention_layernorm.weight", norms["ffn_norm"][0])):
+    for kind, norm_role in ((attention_kind(spec), "attn_norm"), (feed_forward_kind(source, i), "ffn_norm")):
         for flops in kind.steps(ctx, i):
             plan.flops += flops
             yield from ready
             ready.clear()
-        yield prefix + norm_name, norm.to(out_dtype)
+        yield names.of(norm_role, i), norms[norm_role][0].to(out_dtype)

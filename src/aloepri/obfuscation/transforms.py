@@ -282,6 +282,26 @@ def rope_pairs(half: int, interleaved: bool = False) -> tuple[np.ndarray, np.nda
     return (2 * j, 2 * j + 1) if interleaved else (j, j + half)
 
 
+def interleave_rope_rows(w, n_head: int):
+    """q/k rows (or biases) from rotate-half order, pairs (i, i + head_dim/2) per head (Hugging Face), to adjacent
+    pairs (2i, 2i+1) (llama.cpp's GGUF layout): a row permutation per head. numpy or torch, any trailing shape."""
+    return _swap_rope_row_order(w, n_head, to_interleaved=True)
+
+
+def deinterleave_rope_rows(w, n_head: int):
+    """The inverse of :func:`interleave_rope_rows`: adjacent pairs back to rotate-half order."""
+    return _swap_rope_row_order(w, n_head, to_interleaved=False)
+
+
+def _swap_rope_row_order(w, n_head: int, to_interleaved: bool):
+    rows = w.shape[0]
+    if rows % n_head or (rows // n_head) % 2:
+        raise ValueError(f"cannot split {rows} q/k rows into {n_head} heads of even size")
+    half = rows // n_head // 2
+    split = (2, half) if to_interleaved else (half, 2)
+    return w.reshape(n_head, *split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def rope_pair_rotation(angles: np.ndarray, interleaved: bool = False) -> np.ndarray:
     """Block rotation acting on the RoPE pairs.
 

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..obfuscation.archs import role_shapes, spec_for_hf
 from ..storage.safetensors_dir import INDEX_FILE
 from ..storage.safetensors_stream import StreamedFile
 
@@ -102,10 +103,11 @@ def synthetic_config(family: str, num_layers: int | None = None, vocab_size: int
         for k in ("bos_token_id", "eos_token_id"):
             cfg[k] = min(cfg[k], vocab_size - 1)
     if num_experts is not None:
-        key = "n_routed_experts" if "n_routed_experts" in cfg else "num_experts"
-        if key not in cfg:
+        moe = spec_for_hf(cfg["architectures"]).moe
+        key = next((k for k in moe.num_experts_keys if k in cfg), None) if moe is not None else None
+        if key is None:
             raise ValueError(f"{family} has no routed experts")
-        groups = int(cfg.get("n_group") or 1)
+        groups = int(cfg.get(moe.expert_groups_key) or 1) if moe.expert_groups_key else 1
         if num_experts % groups:
             raise ValueError(f"{family} routes over {groups} expert groups; num_experts must be a multiple of it")
         cfg[key] = num_experts
@@ -117,67 +119,22 @@ def synthetic_config(family: str, num_layers: int | None = None, vocab_size: int
 
 
 def tensor_shapes(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a checkpoint with config ``cfg`` (Hugging Face names and layouts), in file order."""
-    d, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or d // heads
-    yield "model.embed_tokens.weight", (vocab, d)
+    """Every tensor of a checkpoint with config ``cfg`` (Hugging Face names and layouts), in file order: what the
+    architecture's ArchSpec says its layers hold (roles, biases, MoE routing), shaped by the config."""
+    spec = spec_for_hf(cfg["architectures"])
+    names, shapes, biased = spec.hf_names, role_shapes(spec, cfg), spec.biased_roles(cfg)
+    yield names.of("embed"), shapes["embed"]
     for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (d,)
-        if cfg["model_type"] == "deepseek_v3":
-            q_rank, kv_rank = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-            nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-            yield p + "self_attn.q_a_proj.weight", (q_rank, d)
-            yield p + "self_attn.q_a_layernorm.weight", (q_rank,)
-            yield p + "self_attn.q_b_proj.weight", (heads * (nope + rope), q_rank)
-            yield p + "self_attn.kv_a_proj_with_mqa.weight", (kv_rank + rope, d)
-            yield p + "self_attn.kv_a_layernorm.weight", (kv_rank,)
-            yield p + "self_attn.kv_b_proj.weight", (heads * (nope + v), kv_rank)
-            yield p + "self_attn.o_proj.weight", (d, heads * v)
-        else:
-            yield p + "self_attn.q_proj.weight", (heads * head_dim, d)
-            yield p + "self_attn.k_proj.weight", (kv * head_dim, d)
-            yield p + "self_attn.v_proj.weight", (kv * head_dim, d)
-            if cfg["model_type"] == "qwen2":  # Qwen2's q/k/v carry biases
-                yield p + "self_attn.q_proj.bias", (heads * head_dim,)
-                yield p + "self_attn.k_proj.bias", (kv * head_dim,)
-                yield p + "self_attn.v_proj.bias", (kv * head_dim,)
-            yield p + "self_attn.o_proj.weight", (d, heads * head_dim)
-            if cfg["model_type"] in ("qwen3", "qwen3_moe"):
-                yield p + "self_attn.q_norm.weight", (head_dim,)
-                yield p + "self_attn.k_norm.weight", (head_dim,)
-        yield p + "post_attention_layernorm.weight", (d,)
-        yield from _feed_forward_shapes(cfg, i, p, d)
-    yield "model.norm.weight", (d,)
-    yield "lm_head.weight", (vocab, d)
-
-
-def _feed_forward_shapes(cfg: dict[str, Any], i: int, p: str, d: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-    def swiglu(prefix: str, size: int):
-        yield prefix + "gate_proj.weight", (size, d)
-        yield prefix + "up_proj.weight", (size, d)
-        yield prefix + "down_proj.weight", (d, size)
-
-    if cfg["model_type"] == "deepseek_v3":
-        sparse = i >= cfg["first_k_dense_replace"]
-        experts = cfg["n_routed_experts"]
-    elif cfg["model_type"] == "qwen3_moe":
-        sparse = i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"] == 0
-        experts = cfg["num_experts"]
-    else:
-        sparse, experts = False, 0
-    if not sparse:
-        yield from swiglu(p + "mlp.", cfg["intermediate_size"])
-        return
-    yield p + "mlp.gate.weight", (experts, d)
-    if cfg["model_type"] == "deepseek_v3":
-        yield p + "mlp.gate.e_score_correction_bias", (experts,)
-    for e in range(experts):
-        yield from swiglu(p + f"mlp.experts.{e}.", cfg["moe_intermediate_size"])
-    if cfg.get("n_shared_experts"):
-        yield from swiglu(p + "mlp.shared_experts.", cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+        roles = spec.attention_roles(cfg) + spec.mlp_roles(cfg, i)
+        if spec.is_moe_layer(cfg, i) and spec.moe.router_bias:  # DeepSeek-V3's selection-only routing bias
+            roles.insert(roles.index("router") + 1, "router_bias")
+        for role in roles:
+            role, expert = role if isinstance(role, tuple) else (role, None)
+            yield names.of(role, i, expert=expert), shapes[role]
+            if role in biased:
+                yield names.of(role, i, "bias", expert), shapes[role][:1]
+    yield names.of("final_norm"), shapes["final_norm"]
+    yield names.of("head"), shapes["head"]
 
 
 def _draw(name: str, shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype) -> Iterator[torch.Tensor]:

@@ -1,4 +1,7 @@
-"""Tiny random-weight float64 checkpoints of every supported architecture, built with stock classes."""
+"""Tiny random-weight float64 checkpoints of every supported architecture, built with stock classes.
+
+Every registered ArchSpec has at least one entry in TINY_ARCHS (tests/test_arch_conformance.py fails otherwise):
+a new architecture comes with its tiny model here. Tests and benchmarks import them from this module."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -96,29 +99,30 @@ def to_fp8_release(src: Path, directory: Path, block: tuple[int, int], mtp: bool
 
     from safetensors.torch import load_file, save_file
 
-    from aloepri.obfuscation.archs import fp8_weight_pattern, spec_for_hf
-    from aloepri.obfuscation.fp8 import BlockFp8, quantize_blockwise, scale_name
+    from ..obfuscation.archs import fp8_weight_pattern, spec_for_hf
+    from ..obfuscation.fp8 import BlockFp8, quantize_blockwise, scale_name
 
     directory.mkdir(parents=True)
     cfg = json.loads((src / "config.json").read_text())
-    quantized = fp8_weight_pattern(spec_for_hf(cfg["architectures"]))
+    spec = spec_for_hf(cfg["architectures"])
+    quantized, names = fp8_weight_pattern(spec), spec.hf_names
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     if mtp:
         n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
-        last = f"model.layers.{n - 1}."
+        last = names.layer_prefix.format(i=n - 1)
         g = torch.Generator().manual_seed(5)
         for name in [k for k in tensors if k.startswith(last)]:
             tensors[f"model.layers.{n}." + name[len(last):]] = tensors[name] + 0.01 * torch.randn(
                 tensors[name].shape, generator=g, dtype=tensors[name].dtype)
-        prefix = f"model.layers.{n}."
+        prefix = names.layer_prefix.format(i=n)
         tensors[prefix + "enorm.weight"] = torch.ones(d, dtype=torch.float64)
         tensors[prefix + "hnorm.weight"] = torch.ones(d, dtype=torch.float64)
         tensors[prefix + "eh_proj.weight"] = 0.2 * torch.randn(d, 2 * d, generator=g, dtype=torch.float64)
         tensors[prefix + "shared_head.norm.weight"] = torch.ones(d, dtype=torch.float64)
-        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[prefix + "shared_head.head.weight"] = tensors[names.of("head")].clone()
+        tensors[prefix + "embed_tokens.weight"] = tensors[names.of("embed")].clone()
         cfg["num_nextn_predict_layers"] = 1
     out = {}
     for name, t in tensors.items():
@@ -145,8 +149,8 @@ def dequantized_copy(src: Path, directory: Path) -> Path:
 
     from safetensors.torch import save_file
 
-    from aloepri.obfuscation.fp8 import SCALE_SUFFIX, dequantize_blockwise, parse_quantization_config, scale_name
-    from aloepri.storage.safetensors_dir import SafetensorsDir
+    from ..obfuscation.fp8 import SCALE_SUFFIX, dequantize_blockwise, parse_quantization_config, scale_name
+    from ..storage.safetensors_dir import SafetensorsDir
 
     cfg = json.loads((src / "config.json").read_text())
     block = parse_quantization_config(cfg).block
@@ -168,3 +172,8 @@ def dequantized_copy(src: Path, directory: Path) -> Path:
     if (src / "generation_config.json").is_file():
         shutil.copy(src / "generation_config.json", directory / "generation_config.json")
     return directory
+
+
+def tiny_variants(spec) -> list[str]:
+    """The TINY_ARCHS entries built as one of ``spec``'s Hugging Face architectures (an archs.ArchSpec)."""
+    return [name for name, (_, model, _) in TINY_ARCHS.items() if model in spec.hf_architectures]
