@@ -107,15 +107,19 @@ def scheme(name: str, vocab: int, references: dict[str, np.ndarray]) -> Homophon
 # --- the served rows and the attacker's groupings -----------------------------------------------------------
 
 
-def served_rows(plain, hom: Homophones, preset: str, head_noise_per_copy: bool = False, embedding: bool = True):
+def served_rows(src, plain, hom: Homophones, preset: str, head_noise_per_copy: bool = False,
+                embedding: bool = True):
     """(embedding rows, LM-head rows) the server holds, indexed by server id, built by the pipeline's own
-    transforms with a real key (preset, seed OBF_SEED). Embedding: one noise draw per copy. Head: the token's
-    obfuscated row duplicated into every copy (exact), or, if ``head_noise_per_copy``, one noise draw per copy."""
+    transforms with a real key (preset, seed OBF_SEED; kept outlier dimensions chosen from the source file ``src``
+    as the pipeline does). Embedding: one noise draw per copy. Head: the token's obfuscated row duplicated into
+    every copy (exact), or, if ``head_noise_per_copy``, one noise draw per copy."""
     import torch
 
+    from aloepri.obfuscation.checkpoint import GGUFCheckpoint
     from aloepri.obfuscation.params import resolve_params
+    from aloepri.obfuscation.pipeline import massive_activation_dims
     from aloepri.obfuscation.secrets import ModelShape, SecretSampler
-    from aloepri.obfuscation.transforms import obfuscate_embedding, obfuscate_head
+    from aloepri.obfuscation.transforms import obfuscate_embedding, obfuscate_head, split_norm_weight
 
     cfg = plain.config
     params = resolve_params(preset)
@@ -123,10 +127,14 @@ def served_rows(plain, hom: Homophones, preset: str, head_noise_per_copy: bool =
                        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                        head_dim=cfg.hidden_size // cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
                        rope_base=float(getattr(cfg, "rope_theta", 10000.0)), qk_norm=False)
-    secrets = SecretSampler(OBF_SEED, params, shape)
+    outliers = (massive_activation_dims(GGUFCheckpoint(src), shape.num_layers, params.outlier_dims)
+                if params.outlier_dims else ())
+    secrets = SecretSampler(OBF_SEED, params, shape, outliers)
     w_e = plain.get_input_embeddings().weight.detach()
     w_h = plain.get_output_embeddings().weight.detach()
-    norm = plain.model.norm.weight.detach()
+    # the part of the final norm weight the head folds in (all of it unless dimensions are kept), as the pipeline
+    _, norm = split_norm_weight(plain.model.norm.weight.detach(), secrets.kappa(), secrets.kept_columns,
+                                secrets.hidden_size)
     emb = None
     if embedding:
         emb = obfuscate_embedding(w_e[torch.from_numpy(hom.owner_by_copy)], hom.server_of_copy,
@@ -428,19 +436,20 @@ def run(s: Settings, store: ResultStore) -> None:
         groups_file = WORK / f"groups-{s.model}-{name}-s{SCHEME_SEED}-k{OBF_SEED}.npy"
         if not groups_file.exists():
             WORK.mkdir(parents=True, exist_ok=True)
-            _, head = served_rows(plain, hom, "noisy", embedding=False)
+            _, head = served_rows(src, plain, hom, "noisy", embedding=False)
             np.save(groups_file, group_identical_rows(head))
         groups = np.load(groups_file)
         if "grouping" in parts:
             for preset in s.grouping_presets:
                 def grouping(preset=preset):
-                    emb, head = served_rows(plain, hom, preset)
+                    emb, head = served_rows(src, plain, hom, preset)
                     out = {**desc, "preset": preset,
                            "identical_head_rows": grouping_quality(group_identical_rows(head), hom)}
                     if hom.copies.max() > 1:
                         out["embedding_nearest_row"] = nearest_sibling_rate(emb, hom, s.grouping_queries, 0)
                         del emb, head
-                        _, noisy_head = served_rows(plain, hom, preset, head_noise_per_copy=True, embedding=False)
+                        _, noisy_head = served_rows(src, plain, hom, preset, head_noise_per_copy=True,
+                                                    embedding=False)
                         out["head_noise_per_copy"] = {
                             "identical_head_rows": grouping_quality(group_identical_rows(noisy_head), hom),
                             "nearest_row": nearest_sibling_rate(noisy_head, hom, s.grouping_queries, 0)}
