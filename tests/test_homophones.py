@@ -1,20 +1,13 @@
-"""The homophonic-vocabulary measurement (benchmarks/defence_homophonic.py): its scheme, grouping and scoring
-helpers on toy data, so the numbers in docs/defences.md rest on code that is checked. (The defence itself was not
+"""The homophonic-vocabulary measurement (benchmarks/experiments/defence_homophonic.py): its scheme, grouping and
+scoring helpers on toy data, so the numbers in docs/defences.md rest on code that is checked. (The defence itself was not
 built: docs/defences.md "Homophonic vocabulary" says why.)"""
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from aloepri.attacks.frequency import tfma_match
-
-_spec = importlib.util.spec_from_file_location(
-    "defence_homophonic", Path(__file__).parents[1] / "benchmarks" / "defence_homophonic.py")
-hp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hp)
+from benchmarks.experiments import defence_homophonic as hp
 
 
 def test_flat_allocation_spends_the_budget_in_proportion_to_frequency():

@@ -210,7 +210,7 @@ EXACT = ObfuscationParams(outlier_dims=4)
 # noise measured on SmolLM2-135M that keeps top-1 agreement >= 0.9 (benchmarks/fidelity_presets.py, docs/design.md
 # "Presets"). Measured on SmolLM2: top-1 0.91, KL 0.055-0.059 on the 20 built-in prompts it was chosen on; top-1
 # 0.81, KL 0.067, 2 of 24 greedy continuations unchanged on held-out prompts (docs/accuracy.md). It does not stop
-# weight matching (benchmarks/vma_gate_quick.py: 99.9%), the behavioural attack (100% of prompt tokens on SmolLM2
+# weight matching (benchmarks experiment vma_gate: 99.9%), the behavioural attack (100% of prompt tokens on SmolLM2
 # and Qwen2.5-Coder-0.5B) or isa_anchor (100%). The paper's other non-exact mechanisms are off, each because it
 # bought no measured protection and cost accuracy (docs/serving.md "bf16", docs/expansion.md): lam 0.1 and beta 8
 # moved the attention ISA by a few points (77.8% with them, 76.4% without) and the behavioural attack and weight

@@ -28,29 +28,26 @@ Attackers:
   rank groups by size and match to the prior's ranks (TFMA's matching);
 - **traffic-only** (no weights at all): groups ids by the ids next to them in the stream (``traffic-grouping``:
   nearest-profile accuracy; ``traffic-tfma``: mutual nearest neighbours merged, then TFMA on the groups).
-SDA trains a small transformer: its budget here is ``--sda-budget`` (default ci: 150 steps, a 50,000-token
+SDA trains a small transformer: its budget here is ``sda_budget`` (default ci: 150 steps, a 50,000-token
 stream and prior), far below what the paper used.
-
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/defence_homophonic.py
-        [--parts grouping,traffic-grouping,traffic-tfma,tfma,sda] [--schemes k1,k2,k4,flat2,flat4,pflat2,pflat4]
-        [--settings ...] [--sda-budget ci]
-    python benchmarks/defence_homophonic.py --table      # the docs/defences.md tables from the JSON
+SDA's budget is ``sda_budget`` in the settings. Caches (token streams, groupings) live under
+benchmarks.lib.targets.WORK / defence-homophonic.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-OUT = Path(__file__).parent / "results" / "defence_homophonic.json"
-WORK = Path("/tmp/aloepri-defence-homophonic")
-OBF_SEED = 11  # the key's seed (as benchmarks/attack_frequency.py)
+from ..lib import Experiment, ResultStore, register
+from ..lib.legacy import legacy_note
+from ..lib.models import model_path
+from ..lib.targets import WORK as TARGETS_WORK
+
+WORK = TARGETS_WORK / "defence-homophonic"
+OBF_SEED = 11  # the key's seed (as the attack_frequency experiment)
 SCHEME_SEED = 5  # which server ids a token owns (part of the key)
 CLIENT_SEED = 6  # the client's random choice among copies (the real client would use the OS CSPRNG)
 SCHEMES = ("k1", "k2", "k4", "flat2", "flat4", "pflat2", "pflat4")
@@ -110,13 +107,19 @@ def scheme(name: str, vocab: int, references: dict[str, np.ndarray]) -> Homophon
 # --- the served rows and the attacker's groupings -----------------------------------------------------------
 
 
-def served_rows(plain, hom: Homophones, preset: str, head_noise_per_copy: bool = False, embedding: bool = True):
+def served_rows(src, plain, hom: Homophones, preset: str, head_noise_per_copy: bool = False,
+                embedding: bool = True):
     """(embedding rows, LM-head rows) the server holds, indexed by server id, built by the pipeline's own
-    transforms with a real key (preset, seed OBF_SEED). Embedding: one noise draw per copy. Head: the token's
-    obfuscated row duplicated into every copy (exact), or, if ``head_noise_per_copy``, one noise draw per copy."""
+    transforms with a real key (preset, seed OBF_SEED; kept outlier dimensions chosen from the source file ``src``
+    as the pipeline does). Embedding: one noise draw per copy. Head: the token's obfuscated row duplicated into
+    every copy (exact), or, if ``head_noise_per_copy``, one noise draw per copy."""
+    import torch
+
+    from aloepri.obfuscation.checkpoint import GGUFCheckpoint
     from aloepri.obfuscation.params import resolve_params
+    from aloepri.obfuscation.pipeline import massive_activation_dims
     from aloepri.obfuscation.secrets import ModelShape, SecretSampler
-    from aloepri.obfuscation.transforms import obfuscate_embedding, obfuscate_head
+    from aloepri.obfuscation.transforms import obfuscate_embedding, obfuscate_head, split_norm_weight
 
     cfg = plain.config
     params = resolve_params(preset)
@@ -124,10 +127,14 @@ def served_rows(plain, hom: Homophones, preset: str, head_noise_per_copy: bool =
                        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                        head_dim=cfg.hidden_size // cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
                        rope_base=float(getattr(cfg, "rope_theta", 10000.0)), qk_norm=False)
-    secrets = SecretSampler(OBF_SEED, params, shape)
+    outliers = (massive_activation_dims(GGUFCheckpoint(src), shape.num_layers, params.outlier_dims)
+                if params.outlier_dims else ())
+    secrets = SecretSampler(OBF_SEED, params, shape, outliers)
     w_e = plain.get_input_embeddings().weight.detach()
     w_h = plain.get_output_embeddings().weight.detach()
-    norm = plain.model.norm.weight.detach()
+    # the part of the final norm weight the head folds in (all of it unless dimensions are kept), as the pipeline
+    _, norm = split_norm_weight(plain.model.norm.weight.detach(), secrets.kappa(), secrets.kept_columns,
+                                secrets.hidden_size)
     emb = None
     if embedding:
         emb = obfuscate_embedding(w_e[torch.from_numpy(hom.owner_by_copy)], hom.server_of_copy,
@@ -169,6 +176,8 @@ def grouping_quality(labels: np.ndarray, hom: Homophones, weights_ids: np.ndarra
 def nearest_sibling_rate(rows: np.ndarray, hom: Homophones, n_queries: int, seed: int, chunk: int = 256) -> dict:
     """For sampled server ids whose token has >= 2 copies: is the nearest OTHER row (cosine, and Euclidean) a copy
     of the same token? Candidates: every server row."""
+    import torch
+
     multi = np.flatnonzero(hom.copies[hom.owner] >= 2)
     q = np.random.default_rng(seed).choice(multi, size=min(n_queries, len(multi)), replace=False)
     c = torch.from_numpy(rows)
@@ -326,134 +335,133 @@ def sda_run(hom: Homophones, groups: np.ndarray | None, tokenizer, data, setting
 # --- driver -------------------------------------------------------------------------------------------------
 
 
-def _load() -> dict:
-    return json.loads(OUT.read_text()) if OUT.exists() else {}
-
-
-def _save(entry: str, value: dict) -> None:
-    results = _load()
-    results[entry] = value
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(results, indent=1, default=float))
-    tmp.replace(OUT)
-
-
-def print_tables(results: dict) -> None:
-    """The docs/defences.md tables, from the JSON (TTRSR / PIIRSR on the prompts, in %)."""
+def report(store: ResultStore) -> str:
+    """The docs/defences.md tables (TTRSR / PIIRSR on the prompts, in %)."""
+    results = store.entries()
+    note = legacy_note(store)
+    out = [note.rstrip(), ""] if note else []
     pct = lambda x: "-" if x is None else f"{100 * x:.2f}"  # noqa: E731
-    print("| setting | scheme | server ids | naive TFMA | group-aware TFMA | group-size only |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    out.append("| setting | scheme | server ids | naive TFMA | group-aware TFMA | group-size only |")
+    out.append("| --- | --- | --- | --- | --- | --- |")
     for key in sorted(k for k in results if k.startswith("tfma/")):
         v = results[key]
         cells = [f"{pct(v[a]['ttrsr'])} / {pct(v[a]['piirsr'])}" if a in v else "-"
                  for a in ("naive", "group-aware", "group-size")]
-        print(f"| {v['setting']} | {v['scheme']} | {v['server_vocab']:,} | " + " | ".join(cells) + " |")
-    print("\n| setting | scheme | attacker | SDA TTRSR / PIIRSR | private stream recovery |")
-    print("| --- | --- | --- | --- | --- |")
+        out.append(f"| {v['setting']} | {v['scheme']} | {v['server_vocab']:,} | " + " | ".join(cells) + " |")
+    out.append("")
+    out.append("| setting | scheme | attacker | SDA TTRSR / PIIRSR | private stream recovery |")
+    out.append("| --- | --- | --- | --- | --- |")
     for key in sorted(k for k in results if k.startswith("sda/")):
         v = results[key]
-        print(f"| {v['setting']} | {v['scheme']} | {v['attacker']} | {pct(v['ttrsr'])} / {pct(v['piirsr'])} | "
+        out.append(f"| {v['setting']} | {v['scheme']} | {v['attacker']} | {pct(v['ttrsr'])} / {pct(v['piirsr'])} | "
               f"{pct(v['private_stream_recovery'])} |")
-    print("\n| preset | scheme | identical head rows | nearest embedding row (cos / eucl) | "
+    out.append("")
+    out.append("| preset | scheme | identical head rows | nearest embedding row (cos / eucl) | "
           "head noise per copy: nearest head row (cos / eucl) |")
-    print("| --- | --- | --- | --- | --- |")
+    out.append("| --- | --- | --- | --- | --- |")
     for key in sorted(k for k in results if k.startswith("grouping/")):
         v = results[key]
         e, h = v.get("embedding_nearest_row", {}), v.get("head_noise_per_copy", {}).get("nearest_row", {})
-        print(f"| {v['preset']} | {v['scheme']} | {pct(v['identical_head_rows']['server_ids_in_exact_groups'])} | "
+        out.append(f"| {v['preset']} | {v['scheme']} | {pct(v['identical_head_rows']['server_ids_in_exact_groups'])} | "
               f"{pct(e.get('nearest_is_sibling_cosine'))} / {pct(e.get('nearest_is_sibling_euclidean'))} | "
               f"{pct(h.get('nearest_is_sibling_cosine'))} / {pct(h.get('nearest_is_sibling_euclidean'))} |")
-    for key in sorted(k for k in results if k.startswith("traffic-tfma/")):
+    out.append("")
+    for key in sorted(k for k in results if k.startswith("traffic-tfma")):
         v = results[key]
-        print(f"traffic-only group-aware TFMA, {v['setting']}, {v['scheme']}: TTRSR / PIIRSR {pct(v['ttrsr'])} / "
+        out.append(f"{key.split('/')[0]}: traffic-only group-aware TFMA, {v['setting']}, {v['scheme']}: TTRSR / PIIRSR {pct(v['ttrsr'])} / "
               f"{pct(v['piirsr'])}; traffic in exactly recovered groups {pct(v['traffic_in_exact_groups'])}%")
     for key in sorted(k for k in results if k.startswith("traffic-grouping/")):
         v = results[key]
-        print(f"traffic-only grouping, {v['scheme']}: nearest id is a sibling for "
+        out.append(f"traffic-only grouping, {v['scheme']}: nearest id is a sibling for "
               f"{pct(v['nearest_is_sibling_token_weighted'])}% of {v['queries_with_siblings']} sampled positions")
+    return "\n".join(out)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="grouping,traffic-grouping,traffic-tfma,tfma,sda")
-    ap.add_argument("--schemes", default=",".join(SCHEMES))
-    ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--sda-settings", default="distribution-aware")
-    ap.add_argument("--sda-budget", default="ci", choices=["ci", "small", "full"])
-    ap.add_argument("--grouping-presets", default="noisy,paper")
-    ap.add_argument("--grouping-queries", type=int, default=2000)
-    ap.add_argument("--table", action="store_true", help="print the docs tables from the JSON and exit")
-    args = ap.parse_args(argv)
-    if args.table:
-        print_tables(_load())
-        return 0
-    torch.set_num_threads(1)
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"
+    parts: tuple[str, ...] = ("grouping", "traffic-grouping", "traffic-tfma", "tfma", "sda")
+    schemes: tuple[str, ...] = SCHEMES
+    tfma_settings: tuple[str, ...] = SETTINGS
+    sda_settings: tuple[str, ...] = ("distribution-aware",)
+    sda_budget: str = "ci"  # aloepri.attacks.base.Budget.named: ci, small, full
+    grouping_presets: tuple[str, ...] = ("noisy", "paper")
+    grouping_queries: int = 2000
+    threads: int = 1
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import torch
 
     from aloepri.attacks.base import Budget
     from aloepri.attacks.data import private_prompts
     from aloepri.attacks.frequency import tfma_match
-    from aloepri.models import smollm2_gguf
     from aloepri.runtime.inference import load_plain_model
     from aloepri.runtime.tokenizer import load_hf_tokenizer
 
-    src = smollm2_gguf()
+    unknown = set(s.parts) - {"grouping", "traffic-grouping", "traffic-tfma", "tfma", "sda"}
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}")
+    torch.set_num_threads(s.threads)
+    src = model_path(s.model)
     tokenizer = load_hf_tokenizer(src)
     plain = load_plain_model(src)
     vocab = int(plain.config.vocab_size)
     data = private_prompts(tokenizer, n=50, seed=0)
     full = Budget.named("full")
-    # the defender's frequency estimates: held-out text of the client's own domain (the distribution-aware prior)
-    # or public general text (fortunes + Debian Reference: the zero-knowledge and domain-aware priors)
-    references = {"domain": np.bincount(streams(tokenizer, data, "distribution-aware", None, full)[0],
-                                        minlength=vocab),
-                  "public": sum(np.bincount(streams(tokenizer, data, s, None, full)[0], minlength=vocab)
-                                for s in ("zero-knowledge", "domain-aware"))}
-    parts = set(args.parts.split(","))
-    done = _load()
+    references: dict[str, np.ndarray] = {}
+    if any("flat" in name for name in s.schemes):
+        # the defender's frequency estimates: held-out text of the client's own domain (the distribution-aware
+        # prior) or public general text (fortunes + Debian Reference: the zero-knowledge and domain-aware priors)
+        references = {"domain": np.bincount(streams(tokenizer, data, "distribution-aware", None, full)[0],
+                                            minlength=vocab),
+                      "public": sum(np.bincount(streams(tokenizer, data, st, None, full)[0], minlength=vocab)
+                                    for st in ("zero-knowledge", "domain-aware"))}
+    parts = set(s.parts)
 
-    def run(entry: str, fn) -> None:
-        if entry in done:
+    def measure(entry: str, fn) -> None:
+        if store.has(entry):
             return
         t0 = time.perf_counter()
         value = fn()
         value["seconds"] = time.perf_counter() - t0
-        _save(entry, value)
-        done[entry] = value
+        store.put(entry, value)
         print(f"[{entry}] {json.dumps(value, default=float)[:400]}", flush=True)
 
-    for name in args.schemes.split(","):
+    for name in s.schemes:
         hom = scheme(name, vocab, references)
         desc = {"scheme": name, "server_vocab": hom.n_server, "max_copies": int(hom.copies.max()),
                 "tokens_with_copies": int((hom.copies > 1).sum())}
-        groups_file = WORK / f"groups-{name}.npy"
-        if not groups_file.exists():  # the group-aware attacker's grouping: bit-identical served head rows
+        # the group-aware attacker's grouping: bit-identical served head rows (the scheme and key seeds decide it)
+        groups_file = WORK / f"groups-{s.model}-{name}-s{SCHEME_SEED}-k{OBF_SEED}.npy"
+        if not groups_file.exists():
             WORK.mkdir(parents=True, exist_ok=True)
-            _, head = served_rows(plain, hom, "noisy", embedding=False)
+            _, head = served_rows(src, plain, hom, "noisy", embedding=False)
             np.save(groups_file, group_identical_rows(head))
         groups = np.load(groups_file)
         if "grouping" in parts:
-            for preset in args.grouping_presets.split(","):
+            for preset in s.grouping_presets:
                 def grouping(preset=preset):
-                    emb, head = served_rows(plain, hom, preset)
+                    emb, head = served_rows(src, plain, hom, preset)
                     out = {**desc, "preset": preset,
                            "identical_head_rows": grouping_quality(group_identical_rows(head), hom)}
                     if hom.copies.max() > 1:
-                        out["embedding_nearest_row"] = nearest_sibling_rate(emb, hom, args.grouping_queries, 0)
+                        out["embedding_nearest_row"] = nearest_sibling_rate(emb, hom, s.grouping_queries, 0)
                         del emb, head
-                        _, noisy_head = served_rows(plain, hom, preset, head_noise_per_copy=True, embedding=False)
+                        _, noisy_head = served_rows(src, plain, hom, preset, head_noise_per_copy=True,
+                                                    embedding=False)
                         out["head_noise_per_copy"] = {
                             "identical_head_rows": grouping_quality(group_identical_rows(noisy_head), hom),
-                            "nearest_row": nearest_sibling_rate(noisy_head, hom, args.grouping_queries, 0)}
+                            "nearest_row": nearest_sibling_rate(noisy_head, hom, s.grouping_queries, 0)}
                     return out
-                run(f"grouping/{preset}/{name}", grouping)
+                measure(f"grouping/{preset}/{name}", grouping)
         if "traffic-grouping" in parts and hom.copies.max() > 1:
             def traffic_grouping():
                 _, truth = streams(tokenizer, data, "distribution-aware", None, full)
                 observed = hom.encode(truth, np.random.default_rng(CLIENT_SEED))
                 return {**desc, "stream": "distribution-aware client traffic (1 M private tokens + prompts)",
-                        **traffic_nearest_sibling(observed, hom, args.grouping_queries, 0)}
-            run(f"traffic-grouping/{name}", traffic_grouping)
+                        **traffic_nearest_sibling(observed, hom, s.grouping_queries, 0)}
+            measure(f"traffic-grouping/{name}", traffic_grouping)
         if "traffic-tfma" in parts and hom.copies.max() > 1:
             def traffic_tfma():
                 prior, truth = streams(tokenizer, data, "distribution-aware", None, full)
@@ -474,26 +482,33 @@ def main(argv=None) -> int:
                                                          ["server_ids_in_exact_groups"]),
                         **score_prompts(data, guess, observed),
                         "stream_top1": float((guess[observed] == truth).mean())}
-            run(f"traffic-tfma/distribution-aware/{name}", traffic_tfma)
+            measure(f"traffic-tfma/distribution-aware/{name}", traffic_tfma)
         if "tfma" in parts:
-            for setting in args.settings.split(","):
+            for setting in s.tfma_settings:
                 def tfma(setting=setting):
                     prior, truth = streams(tokenizer, data, setting, None, full)
                     return {**desc, "setting": setting, "prior_tokens": int(len(prior)),
                             "grouping": "bit-identical served LM-head rows (preset noisy)",
                             **tfma_runs(hom, groups, prior, truth, data)}
-                run(f"tfma/{setting}/{name}", tfma)
+                measure(f"tfma/{setting}/{name}", tfma)
         if "sda" in parts:
-            budget = Budget.named(args.sda_budget)
-            for setting in args.sda_settings.split(","):
+            budget = Budget.named(s.sda_budget)
+            for setting in s.sda_settings:
                 attackers = [("naive", None)] + ([("group-aware", groups)] if name != "k1" else [])
                 for attacker, g in attackers:
-                    run(f"sda/{setting}/{name}/{attacker}/{budget.name}",
-                        lambda g=g, setting=setting, attacker=attacker: {
-                            **desc, "setting": setting, "attacker": attacker,
-                            **sda_run(hom, g, tokenizer, data, setting, budget)})
-    return 0
+                    measure(f"sda/{setting}/{name}/{attacker}/{budget.name}",
+                            lambda g=g, setting=setting, attacker=attacker: {
+                                **desc, "setting": setting, "attacker": attacker,
+                                **sda_run(hom, g, tokenizer, data, setting, budget)})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+register(Experiment(
+    name="defence_homophonic",
+    summary="a homophonic vocabulary against TFMA and SDA, simulated on SmolLM2's vocabulary (about an hour)",
+    settings=Settings,
+    configs={"full": Settings(),
+             "smoke": Settings(parts=("tfma",), schemes=("k1", "k2"), tfma_settings=("zero-knowledge",))},
+    run=run, report=report, docs=("docs/defences.md",),
+    legacy_configs=("old-presets",),
+    notes="needs the corpora of docs/data.md; old-presets: rows measured on 2026-11-23 with the presets of then",
+))

@@ -6,38 +6,34 @@ template (its default system prompt included), half of them Faker PII prompts (`
 templates: e-mails, forms, tickets, chats), half requests about a passage of the client's documents ("Explain
 this passage ...", the seeded private half of ``python-docs``, docs/data.md), shuffled with a seed. The server
 sees every id through one secret permutation. The observer's reference frequencies come from a DIFFERENT public
-corpus (``--priors``): ``fortunes`` (general English, zero-knowledge) or ``debian-reference`` (computing
+corpus (setting ``priors``): ``fortunes`` (general English, zero-knowledge) or ``debian-reference`` (computing
 documentation, domain-aware), either as raw text or ``+template``: the same text cut into request-sized pieces
 and wrapped in the public chat template (an observer who knows the traffic is chat requests); and, as the
 observer's best case, ``same-distribution``: traffic generated exactly like the client's (other Faker values,
 the other half of python-docs), which no real observer has.
 
-For each observed volume (``--volumes``, default 10^3 .. 10^6 tokens: the first requests of the stream up to
+For each observed volume (setting ``volumes``, default 10^3 .. 10^6 tokens: the first requests of the stream up to
 that many tokens) TFMA (aloepri.attacks.frequency.tfma_match: frequency-rank matching over the full vocabulary)
 maps every observed id, and recovery is scored on everything observed: all tokens, the user's text (template
 tokens excluded), the PII tokens; which tokens are recovered (the most frequent recovered types, PII types
-recovered, recovery by how frequent a token is in the stream). ``--sda`` adds the trained substitution
+recovered, recovery by how frequent a token is in the stream). Attack ``sda`` adds the trained substitution
 decipherer (aloepri.attacks.decipher, budget ``ci``) on the same streams.
 
-Resumable: results/logs_only.json, keyed ``<attack>/<prior>/<volume>``; entries present are skipped.
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/logs_only.py [--sda]
-    python benchmarks/logs_only.py --print     (Markdown table and results/logs_only.png)
+Resumable: keyed ``<attack>/<prior>/<volume>``; entries present are skipped. The report writes the figure beside
+the results (``results/logs_only/<config>.png``).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from attack_tables import save_entry  # same directory: resumable JSON writing
+from ..lib import Experiment, ResultStore, register
+from ..lib.models import model_path
 
-RESULTS = Path(__file__).parent / "results" / "logs_only.json"
 VOLUMES = (1_000, 10_000, 100_000, 1_000_000)
 PRIORS = ("fortunes", "fortunes+template", "debian-reference", "debian-reference+template", "same-distribution")
 DOC_INSTRUCTIONS = ("Explain this passage from our documentation:\n\n",
@@ -203,17 +199,13 @@ def run_sda(tokenizer, stream: Stream, sl: slice, prior: np.ndarray, perm: np.nd
     return out
 
 
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def render(store: dict) -> str:
+def render(entries: dict) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     lines = ["| Attack | Observer's reference | Tokens observed | All tokens (%) | User text (%) | PII tokens (%) | "
              "Types recovered / observed | PII types recovered / observed | Most frequent recovered |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for key in sorted(store, key=lambda k: (k.split("/")[0], k.split("/")[1], int(k.split("/")[2]))):
-        e = store[key]
+    for key in sorted(entries, key=lambda k: (k.split("/")[0], k.split("/")[1], int(k.split("/")[2]))):
+        e = entries[key]
         a, p, _ = key.split("/")
         top = ", ".join(repr(t) for t in e["most_frequent_recovered"][:8])
         lines.append(f"| {a} | {p} | {e['tokens_observed']:,} | {pct(e['token_recovery'])} | "
@@ -223,7 +215,7 @@ def render(store: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(store: dict, path: Path) -> None:
+def plot(entries: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,7 +223,7 @@ def plot(store: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
     series: dict[tuple[str, str], list[tuple[int, dict]]] = {}
-    for key, e in store.items():
+    for key, e in entries.items():
         a, p, v = key.split("/")
         series.setdefault((a, p), []).append((e["tokens_observed"], e))
     for (a, p), pts in sorted(series.items()):
@@ -250,57 +242,65 @@ def plot(store: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--volumes", default=",".join(str(v) for v in VOLUMES))
-    ap.add_argument("--priors", default=",".join(PRIORS))
-    ap.add_argument("--prior-tokens", type=int, default=1_000_000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sda", action="store_true", help="also run the trained decipherer (budget ci)")
-    ap.add_argument("--print", action="store_true")
-    args = ap.parse_args(argv)
-    if args.print:
-        store = _load(RESULTS)
-        print(render(store))
-        plot(store, RESULTS.with_suffix(".png"))
-        return 0
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"
+    volumes: tuple[int, ...] = VOLUMES
+    priors: tuple[str, ...] = PRIORS
+    prior_tokens: int = 1_000_000
+    seed: int = 0
+    attacks: tuple[str, ...] = ("tfma",)  # add "sda": the trained decipherer (budget ci)
+    threads: int = 1
+
+
+def run(s: Settings, store: ResultStore) -> None:
     import torch
 
-    from aloepri.models import smollm2_gguf
     from aloepri.runtime.tokenizer import load_hf_tokenizer
 
-    torch.set_num_threads(1)
-    volumes = [int(v) for v in args.volumes.split(",")]
-    attacks = ["tfma"] + (["sda"] if args.sda else [])
-    priors = args.priors.split(",")
-    todo = [(a, p, v) for a in attacks for p in priors for v in volumes if f"{a}/{p}/{v}" not in _load(RESULTS)]
+    todo = [(a, p, v) for a in s.attacks for p in s.priors for v in s.volumes if not store.has(f"{a}/{p}/{v}")]
     if not todo:
-        print(render(_load(RESULTS)))
-        return 0
-    tok = load_hf_tokenizer(smollm2_gguf())
+        return
+    for a in s.attacks:
+        if a not in ("tfma", "sda"):
+            raise ValueError(f"unknown attack {a!r}: tfma or sda")
+    torch.set_num_threads(s.threads)
+    tok = load_hf_tokenizer(model_path(s.model))
     t0 = time.perf_counter()
-    stream = build_stream(tok, max(volumes), args.seed)
+    stream = build_stream(tok, max(s.volumes), s.seed)
     print(f"stream: {len(stream.ids)} tokens, {len(stream.request_ends)} requests, "
           f"{int(stream.pii.sum())} PII tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
     # the client's key: a uniformly random permutation (seeded here so the study is reproducible)
-    perm = np.random.default_rng(args.seed + 99).permutation(len(tok))
+    perm = np.random.default_rng(s.seed + 99).permutation(len(tok))
     priors_cache: dict[str, np.ndarray] = {}
     for a, p, v in todo:
         if p not in priors_cache:
-            priors_cache[p] = prior_ids(tok, p, args.prior_tokens, args.seed)
+            priors_cache[p] = prior_ids(tok, p, s.prior_tokens, s.seed)
         sl = observed_prefix(stream, v)
         t1 = time.perf_counter()
-        res = (run_tfma if a == "tfma" else run_sda)(tok, stream, sl, priors_cache[p], perm, args.seed)
+        res = (run_tfma if a == "tfma" else run_sda)(tok, stream, sl, priors_cache[p], perm, s.seed)
         res.update({"attack": a, "prior": p, "prior_tokens": int(len(priors_cache[p])), "volume_requested": v,
                     "requests_observed": int(np.searchsorted(stream.request_ends, sl.stop) + 1),
-                    "seconds": round(time.perf_counter() - t1, 1), "seed": args.seed,
+                    "seconds": round(time.perf_counter() - t1, 1), "seed": s.seed,
                     "stream": "SmolLM2 chat template; half Faker PII prompts, half python-docs passages"})
-        save_entry(f"{a}/{p}/{v}", res, RESULTS)
+        store.put(f"{a}/{p}/{v}", res)
         print(f"{a}/{p}/{v}: all {res['token_recovery']:.3f} user {res['user_text_recovery']:.3f} "
               f"pii {res['pii_recovery']} ({res['seconds']} s) top {res['most_frequent_recovered'][:6]}", flush=True)
-    print(render(_load(RESULTS)))
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def report(store: ResultStore) -> str:
+    entries = store.entries()
+    figure = store.figure_path(".png")
+    plot(entries, figure)
+    return render(entries) + f"\n\nFigure: results/{store.experiment}/{figure.name}"
+
+
+register(Experiment(
+    name="logs_only",
+    summary="what an observer of the obfuscated id stream alone recovers vs. traffic volume (TFMA; minutes)",
+    settings=Settings,
+    configs={"full": Settings(),
+             "smoke": Settings(volumes=(1_000, 10_000), priors=("fortunes",), prior_tokens=100_000)},
+    run=run, report=report, docs=("docs/security.md",),
+    notes="needs the corpora of docs/data.md; building the 10^6-token stream takes about 1.5 minutes",
+))
