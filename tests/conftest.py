@@ -1,5 +1,4 @@
 import contextlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +8,6 @@ import aloepri
 from aloepri.obfuscation.archs import SPECS
 from aloepri.testing.tiny import build_tiny
 
-sys.path.insert(0, str(Path(__file__).parent))  # test modules import helpers from each other (serving_helpers)
 
 
 @pytest.fixture(scope="session")

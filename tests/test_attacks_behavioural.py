@@ -91,10 +91,6 @@ def test_positive_control(targets, name):
 
 def test_negative_control_unrelated_model(targets, tiny_dir, tmp_path):
     """Same shapes, different weights: behaviour carries no information about the permutation -> near chance."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from aloepri.testing.tiny import build_tiny
 
     src, work, t = targets
