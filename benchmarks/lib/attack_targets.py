@@ -132,3 +132,26 @@ def render(entries: dict[str, dict]) -> str:
                     for x in attacks) + " |")
             out.append("")
     return "\n".join(out)
+
+
+def run_attack(name: str, target, data, budget, attack: Callable | None = None) -> dict:
+    """One attack (``attack`` or the registered one named ``name``) as a stored row; an error is recorded in it."""
+    from aloepri.attacks import REGISTRY
+
+    t0 = time.perf_counter()
+    try:
+        res = (attack or REGISTRY[name])(target, data, budget, 0)
+    except Exception as err:  # noqa: BLE001 - recorded, not hidden
+        return failed_entry(name, err, t0)
+    res.attack = name
+    res.seconds = time.perf_counter() - t0  # direct calls (not through the registry) have no clock of their own
+    return res.to_dict()
+
+
+def fidelity_entry(plain_model, target) -> dict:
+    """Accuracy of the very output attacked: next-token agreement with the plaintext model on the 20 built-in chat
+    prompts (as the tuner measures it)."""
+    from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+
+    ids = builtin_prompt_ids(target.tokenizer, plain_model.config.vocab_size, 20)
+    return compare(plain_model, target.obf_model, target.key, ids, greedy_tokens=0).to_dict()
