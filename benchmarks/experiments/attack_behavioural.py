@@ -1,63 +1,101 @@
-"""Behavioural attacks (aloepri.attacks.behavioural) on real models: TTRSR / PIIRSR / vocabulary recovery
-for permutation-only, exact, noisy, paper and points of the alpha_e = alpha_h frontier, plus the composed
-pipeline (VMA -> behavioural -> ridge).
-
-Resumable: results/attack_behavioural.json is keyed model/target/attack/budget; existing entries are skipped.
-Run:  OMP_NUM_THREADS=2 nohup nice -n 10 python benchmarks/attack_behavioural.py --budget small > beh.log 2>&1 &
-      python benchmarks/attack_behavioural.py --print        (Markdown table of the stored results, and the plot
-                                                              results/attack_behavioural.png)
-"""
+"""Behavioural attacks (aloepri.attacks.behavioural) on the bundled models: TTRSR / PIIRSR / vocabulary recovery for
+permutation-only, the presets and points of the alpha_e = alpha_h frontier, plus the composed pipeline (VMA ->
+behavioural -> ridge), each next to the top-1 agreement of the very output attacked. Rows keyed
+``model/target/attack/budget``; the fidelity of a target ``model/target/fidelity/-``."""
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
-import time
-from pathlib import Path
+from dataclasses import dataclass
 
-import torch
+from ..lib import Experiment, ResultStore, register
+from ..lib.attack_targets import pct, print_entry, run_attack, target_record
+from ..lib.models import model_path
 
-import aloepri
-import attack_tables  # same directory: shared target building and resumable JSON writing
-from aloepri.attacks import REGISTRY
-from aloepri.attacks.base import AttackTarget, Budget
-from aloepri.attacks.behavioural import run_behavioural, run_composed
-from aloepri.attacks.cli import private_data
-
-RESULTS = Path(__file__).parent / "results" / "attack_behavioural.json"
-ATTACKS = ["behavioural", "behavioural-composed"]
+ATTACKS = ("behavioural", "behavioural-composed")
 # not a registered attack: `behavioural` with no chat-template pairs (anchors = the published special ids only),
 # to measure how much the template bootstrap matters
 NO_TEMPLATE = "behavioural-specials-only"
-# --reduced: one output-profile round (the `small` budget's first, 96 x 16 contexts) and no input-side re-ranking,
+# reduced: one output-profile round (the `small` budget's first, 96 x 16 contexts) and no input-side re-ranking,
 # for runs that would not finish otherwise (Qwen's 151,936-token vocabulary on a loaded 2-core machine); stored
 # under the budget key "<budget>-reduced" so it never mixes with full-budget rows
 REDUCED = {"round_seqs": (96,), "rerank_ids": 0}
 
 
-def target_params(target: str):
-    """'alpha-X' (the noisy preset with alpha_e = alpha_h = X), or any target attack_tables names (a preset,
-    or a preset with overrides 'PRESET:key=value,...', e.g. noisy:lam=0.1)."""
-    if target.startswith("alpha-"):
-        a = float(target.split("-", 1)[1])
-        return aloepri.resolve_params("noisy", alpha_e=a, alpha_h=a)
-    return attack_tables.target_params(target)
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...] = ("smollm2",)
+    targets: tuple[str, ...] = ("permutation-only", "exact", "default", "paper", "alpha-0.3", "alpha-0.5",
+                                "alpha-1.0")
+    attacks: tuple[str, ...] = ATTACKS  # and/or behavioural-specials-only
+    budget: str = "small"
+    prompts: int = 50
+    seed: int = 1234
+    threads: int = 1
+    reduced: bool = False  # the REDUCED budget above (budget key "<budget>-reduced")
 
 
-def build_target(src: Path, target: str, work: Path, seed: int, plain_model) -> AttackTarget:
-    return attack_tables.build_target(src, target, work, seed, plain_model, params_fn=target_params)
+def _attack(name: str, config: dict | None):
+    """The attack function for ``name`` (None: the registered one)."""
+    from aloepri.attacks.behavioural import run_behavioural, run_composed
+
+    if name == NO_TEMPLATE:  # ablation of the bootstrap: published special ids only
+        return lambda t, d, b, s: run_behavioural(t, d, b, s, template=([], []), config=config)[0]
+    if config is None:
+        return None
+    if name == "behavioural":
+        return lambda t, d, b, s: run_behavioural(t, d, b, s, config=config)[0]
+    return lambda t, d, b, s: run_composed(t, d, b, s, config=config)
 
 
-def save_entry(key: str, entry: dict) -> dict:
-    return attack_tables.save_entry(key, entry, RESULTS)
+def run(s: Settings, store: ResultStore) -> None:
+    import torch
+
+    from aloepri.attacks.base import Budget
+    from aloepri.attacks.cli import private_data
+    from aloepri.runtime.inference import load_plain_model
+
+    from ..lib.attack_targets import PERMUTATION_ONLY, build_target, fidelity_entry
+
+    bad = set(s.attacks) - {*ATTACKS, NO_TEMPLATE}
+    if bad:
+        raise ValueError(f"attacks {sorted(bad)}: not behavioural ({', '.join((*ATTACKS, NO_TEMPLATE))})")
+    torch.set_num_threads(s.threads)
+    budget = Budget.named(s.budget)
+    budget.threads = s.threads
+    config = dict(REDUCED) if s.reduced else None
+    bkey = f"{s.budget}-reduced" if s.reduced else s.budget
+    for model in s.models:
+        src = model_path(model)
+        plain = None
+        for target in s.targets:
+            todo = [n for n in s.attacks if not store.has(f"{model}/{target}/{n}/{bkey}")]
+            fkey = f"{model}/{target}/fidelity/-"
+            need_fidelity = target != PERMUTATION_ONLY and not store.has(fkey)
+            if not todo and not need_fidelity:
+                continue
+            plain = plain or load_plain_model(src)
+            t = build_target(src, target, s.seed, plain)
+            if need_fidelity:
+                store.put(fkey, fidelity_entry(plain, t))
+                print(f"{fkey}: {store.get(fkey)}", flush=True)
+            data = private_data(t.tokenizer, s.prompts, 0)
+            for name in todo:
+                key = f"{model}/{target}/{name}/{bkey}"
+                print(f"{key} ...", flush=True)
+                entry = run_attack(name, t, data, budget, _attack(name, config))
+                entry["target_params"] = None if target == PERMUTATION_ONLY else target_record(target)
+                if config is not None:
+                    entry["budget"]["reduced"] = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+                store.put(key, entry)
+                print_entry(key, entry)
+            del t
 
 
-def render(store: dict) -> str:
+def table(entries: dict[str, dict]) -> str:
     lines = ["| Model | Target | top-1 agreement | Attack | TTRSR (%) | PIIRSR (%) | Vocab. recovery (%) | "
              "Confident ids (%) | Wall time (s) | Threads | Budget |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    fidelity = {k.rsplit("/", 2)[0]: v for k, v in store.items() if "/fidelity/" in k}
-    for key in sorted(store):
-        e = store[key]
+    fidelity = {k.rsplit("/", 2)[0]: v for k, v in entries.items() if "/fidelity/" in k}
+    for key in sorted(entries):
+        e = entries[key]
         model, target, attack, budget = key.split("/")
         if attack == "fidelity":
             continue
@@ -67,7 +105,6 @@ def render(store: dict) -> str:
         if "error" in m:
             lines.append(f"| {model} | {target} | {top1} | {attack} | error: {m['error'][:80]} | | | | | | {budget} |")
             continue
-        pct = lambda x: "-" if x is None else f"{100 * x:.2f}"  # noqa: E731
         lines.append(f"| {model} | {target} | {top1} | {attack} | {pct(e['ttrsr'])} | {pct(e['piirsr'])} | "
                      f"{pct(m.get('vocab_recovery'))} | {pct(m.get('confident_fraction'))} | "
                      f"{'-' if e.get('seconds') is None else format(e['seconds'], '.0f')} | "
@@ -75,21 +112,20 @@ def render(store: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(store: dict, path: Path) -> None:
-    """Top-1 agreement (x) against TTRSR (y) of each attack, one point per obfuscated target (SmolLM2 / Qwen),
-    next to the weight attacks' frontier of docs/accuracy.md when that JSON is present."""
+def plot(entries: dict[str, dict], path) -> None:
+    """Top-1 agreement (x) against TTRSR (y) of each attack, one point per obfuscated target."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for model in sorted({k.split("/")[0] for k in store}):
-        for attack in sorted({k.split("/")[2] for k in store if k.startswith(model + "/")} - {"fidelity"}):
+    for model in sorted({k.split("/")[0] for k in entries}):
+        for attack in sorted({k.split("/")[2] for k in entries if k.startswith(model + "/")} - {"fidelity"}):
             pts = []
-            for key, e in store.items():
+            for key, e in entries.items():
                 m, target, a, _ = key.split("/")
-                fid = store.get(f"{m}/{target}/fidelity/-")
+                fid = entries.get(f"{m}/{target}/fidelity/-")
                 if m == model and a == attack and fid and e.get("ttrsr") is not None:
                     pts.append((fid["top1_agreement"], e["ttrsr"], target))
             pts.sort()
@@ -103,81 +139,36 @@ def plot(store: dict, path: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=["smollm2"], choices=["smollm2", "qwen"])
-    ap.add_argument("--targets", nargs="*", default=["permutation-only", "exact", "noisy", "paper"])
-    ap.add_argument("--attacks", nargs="*", default=ATTACKS, choices=ATTACKS + [NO_TEMPLATE])
-    ap.add_argument("--budget", default="small", choices=["ci", "small", "full"])
-    ap.add_argument("--prompts", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "aloepri-behavioural"))
-    ap.add_argument("--reduced", action="store_true", help=f"reduced budget {REDUCED} (key '<budget>-reduced')")
-    ap.add_argument("--print", action="store_true", help="only print the Markdown table of the stored results")
-    a = ap.parse_args()
-    if a.print:
-        store = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        print(render(store))
-        plot(store, RESULTS.with_suffix(".png"))
-        return
-    torch.set_num_threads(a.threads)
-    store = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    work = Path(a.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    budget = Budget.named(a.budget)
-    budget.threads = a.threads
-    config = dict(REDUCED) if a.reduced else None
-    bkey = f"{a.budget}-reduced" if a.reduced else a.budget
-    for model in a.models:
-        src = attack_tables.model_src(model)
-        plain = None
-        for target in a.targets:
-            todo = [n for n in a.attacks if f"{model}/{target}/{n}/{bkey}" not in store]
-            fkey = f"{model}/{target}/fidelity/-"
-            need_fidelity = target != "permutation-only" and fkey not in store
-            if not todo and not need_fidelity:
-                continue
-            if plain is None:
-                from aloepri.runtime.inference import load_plain_model
-
-                plain = load_plain_model(src)
-            t = build_target(src, target, work, a.seed, plain)
-            data = private_data(t.tokenizer, a.prompts, 0)
-            if need_fidelity:
-                # accuracy of the very output attacked (built-in chat prompts, as the tuner measures it)
-                from aloepri.runtime.fidelity import builtin_prompt_ids, compare
-
-                ids = builtin_prompt_ids(t.tokenizer, plain.config.vocab_size, 20)
-                store = save_entry(fkey, compare(plain, t.obf_model, t.key, ids, greedy_tokens=0).to_dict())
-                print(f"  fidelity {store[fkey]}", flush=True)
-            for name in todo:
-                t0 = time.perf_counter()
-                print(f"{model}/{target}/{name}/{bkey} ...", flush=True)
-                try:
-                    if name == NO_TEMPLATE:  # ablation of the bootstrap: published special ids only
-                        res = run_behavioural(t, data, budget, 0, template=([], []), config=config)[0]
-                    elif config is None:
-                        res = REGISTRY[name](t, data, budget, 0)
-                    elif name == "behavioural":
-                        res = run_behavioural(t, data, budget, 0, config=config)[0]
-                    else:
-                        res = run_composed(t, data, budget, 0, config=config)
-                    res.attack = name
-                    res.seconds = time.perf_counter() - t0  # the direct calls above bypass the registry's clock
-                    entry = res.to_dict()
-                except Exception as err:  # noqa: BLE001 - recorded, not hidden
-                    entry = attack_tables.failed_entry(name, err, t0)
-                entry["target_params"] = None if target == "permutation-only" else target_params(target).to_dict()
-                if config is not None:
-                    entry["budget"]["reduced"] = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
-                store = save_entry(f"{model}/{target}/{name}/{bkey}", entry)
-                attack_tables.print_entry(entry)
-            del t
-    print(render(store))
+def report(store: ResultStore) -> str:
+    entries = store.entries()
+    if any(e.get("ttrsr") is not None for e in entries.values()):
+        plot(entries, store.figure_path(".png"))
+    return table(entries)
 
 
-if __name__ == "__main__":
-    main()
+register(Experiment(
+    name="attack_behavioural",
+    summary="behavioural attacks (and VMA -> behavioural -> ridge) next to the accuracy of the same output "
+            "(tens of minutes per target on SmolLM2, ~36 min reduced on Qwen)",
+    settings=Settings,
+    configs={
+        # docs/security.md "Behavioural attacks" table and plot, docs/accuracy.md's frontier points
+        "smollm2-small": Settings(),
+        # lambda and the block permutation against the behavioural attack (docs/expansion.md)
+        "lam-beta-small": Settings(targets=("default:lam=0.0", "default:lam=0.1", "default:lam=0.0,beta=1"),
+                                   attacks=("behavioural",)),
+        "qwen-coder-small": Settings(models=("qwen-coder",), targets=("exact", "default"), attacks=("behavioural",)),
+        # Qwen, paper preset: the composed pipeline at the reduced budget (docs/security.md)
+        "qwen-coder-paper-reduced": Settings(models=("qwen-coder",), targets=("paper",),
+                                             attacks=("behavioural-composed",), reduced=True),
+        # a check that the whole path runs (positive control, ci budget, 5 prompts)
+        "smoke": Settings(targets=("permutation-only",), attacks=("behavioural",), budget="ci", prompts=5),
+    },
+    default_config="smollm2-small",
+    run=run, report=report, docs=("docs/security.md", "docs/accuracy.md", "docs/expansion.md", "docs/defences.md",
+                                  "docs/audit.md"),
+    notes="CPU; the frontier and audit_frontier experiments read every stored config of this one",
+))
