@@ -2,31 +2,22 @@
 
 Every point is one obfuscation of the model (seed 1) measured for fidelity (built-in chat prompts, top-1 agreement
 and KL against the plaintext model) and attacked by the attack suite (private Faker-PII prompts, full-vocabulary
-candidate pools, the budget given). Resumable and parallel-safe: results go to
-benchmarks/results/frontier_<model>.json through aloepri.tuning.ResultStore; start a second process with the same
-arguments to use the second core. The plot (PNG) puts top-1 agreement on x and the highest TTRSR over the attacks
-on y, one series per swept parameter, like the paper's privacy-utility figure.
+candidate pools, the budget given); points are keyed by aloepri.tuning.setting_key (model file, parameters, seed,
+attacks, budget, prompt counts). The plot puts top-1 agreement on x and the highest TTRSR over the attacks on y, one
+series per swept parameter, like the paper's privacy-utility figure.
 
-The behavioural attacks (benchmarks/attack_behavioural.py, seed 1234, 50 prompts) are added to the plot and the
-table from results/attack_behavioural.json without recomputing anything: one series per behavioural attack at its own
+The behavioural attacks (experiment attack_behavioural, seed 1234, 50 prompts) are added to the plot and the table
+from its stored results (every config) without recomputing anything: one series per behavioural attack at its own
 top-1 agreement (measured on the very output it attacked), and "worst of all attacks" for the frontier points whose
 parameters equal a behavioural target's (max of the weight attacks' TTRSR there and the behavioural TTRSRs).
-
-Usage: python benchmarks/frontier.py [--model smollm2|qwen-coder] [--budget small] [--sweeps alpha_e alpha_h lam]
-       python benchmarks/frontier.py --plot-only [--list]
 """
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+from dataclasses import dataclass
 
-import torch
+from ..lib import Experiment, ResultStore, register
+from ..lib.models import model_path
 
-from aloepri.obfuscation.params import resolve_params
-from aloepri.tuning import DEFAULT_ATTACKS, Evaluator, ResultStore, sweep
-
-RESULTS = Path(__file__).parent / "results"
 SWEEPS = {  # series -> overrides of the `noisy` preset, one dict per point; the series label names the x value
     "alpha_e": [{"alpha_e": v} for v in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)],
     "alpha_h": [{"alpha_h": v} for v in (0.0, 0.02, 0.05, 0.1, 0.2)],
@@ -42,30 +33,30 @@ SWEEPS = {  # series -> overrides of the `noisy` preset, one dict per point; the
     "noise_shape=row": [{"noise_shape": "row", "alpha_e": v, "alpha_h": v} for v in (0.1, 0.2, 0.3)],
 }
 SERIES_X = {"noise_shape=column": "alpha_e", "noise_shape=row": "alpha_e", "alpha_e=alpha_h": "alpha_e"}
-
-
-def model_path(name: str) -> Path:
-    from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
-
-    return {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}[name]()
-
-
-BEHAVIOURAL = RESULTS / "attack_behavioural.json"
-BEHAVIOURAL_MODEL = {"smollm2": "smollm2", "qwen-coder": "qwen"}  # frontier name -> attack_behavioural.py name
 BEHAVIOURAL_ATTACKS = ("behavioural", "behavioural-composed")
 
 
-def behavioural_points(model: str, path: Path = BEHAVIOURAL) -> list[dict]:
-    """One dict per obfuscated target of attack_behavioural.json for this frontier model: target name, its
-    parameters, top-1 agreement of that same output, and TTRSR per behavioural attack (largest budget stored)."""
-    if not path.exists():
-        return []
-    store = json.loads(path.read_text())
-    name = BEHAVIOURAL_MODEL[model]
+def behavioural_entries() -> dict[str, dict]:
+    """The stored rows of every config of the attack_behavioural experiment, merged (keys are unique per target)."""
+    from ..lib import get_experiment
+
+    exp = get_experiment("attack_behavioural")
+    merged: dict[str, dict] = {}
+    for config in (*exp.config_names, *exp.legacy_configs):
+        store = exp.store(config)
+        if store.path.exists():
+            merged.update(store.entries())
+    return merged
+
+
+def behavioural_points(model: str) -> list[dict]:
+    """One dict per obfuscated target of attack_behavioural for this model: target name, its parameters, top-1
+    agreement of that same output, and TTRSR per behavioural attack (largest budget stored)."""
+    store = behavioural_entries()
     points: dict[str, dict] = {}
     for key, e in store.items():
         m, target, attack, budget = key.split("/")
-        if m != name or attack not in BEHAVIOURAL_ATTACKS or e.get("ttrsr") is None or not e.get("target_params"):
+        if m != model or attack not in BEHAVIOURAL_ATTACKS or e.get("ttrsr") is None or not e.get("target_params"):
             continue
         fid = store.get(f"{m}/{target}/fidelity/-")
         if fid is None:
@@ -83,13 +74,12 @@ def matched_behavioural(entry: dict, points: list[dict]) -> dict | None:
     return next((p for p in points if p["params"] == entry["params"]), None)
 
 
-def plot(store_path: Path, png: Path) -> None:
+def plot(data: list[dict], model: str, png) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = [e for e in json.loads(store_path.read_text()).values() if e.get("status") == "done"]
     fig, ax = plt.subplots(figsize=(7, 5))
     for label in sorted({e["label"] for e in data}):
         pts = sorted((e["fidelity"]["top1_agreement"], e["max_ttrsr"], e["params"][SERIES_X.get(label, label)]) for e in data
@@ -99,10 +89,9 @@ def plot(store_path: Path, png: Path) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
         for x, y, v in pts:
             ax.annotate(str(v), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    model = store_path.stem.replace("frontier_", "")
     beh = behavioural_points(model)
     for attack, marker in zip(BEHAVIOURAL_ATTACKS, ("s", "^")):
-        # a reduced-budget row (attack_behavioural.py --reduced) is marked in its label
+        # a reduced-budget row (attack_behavioural's reduced configs) is marked in its label
         pts = sorted((p["top1"], p["attacks"][attack],
                       p["target"] + (" (reduced)" if p["budgets"][attack].endswith("reduced") else ""))
                      for p in beh if attack in p["attacks"])
@@ -123,20 +112,19 @@ def plot(store_path: Path, png: Path) -> None:
                 label="worst of weight + behavioural attacks (same params)")
     ax.set_xlabel("top-1 agreement with the plaintext model (utility)")
     ax.set_ylabel("TTRSR (privacy loss): highest over the weight attacks,\nor of the named attack")
-    ax.set_title(f"privacy-utility frontier, {store_path.stem.replace('frontier_', '')}")
+    ax.set_title(f"privacy-utility frontier, {model}")
     ax.axhline(0.05, color="grey", lw=0.8, ls="--")
     ax.legend(title="swept parameter / attack", fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    plt.close(fig)
 
 
-def table(store_path: Path) -> str:
+def table(data: list[dict], model: str) -> str:
     """Markdown table of the finished points: one row per setting, TTRSR per attack."""
-    data = [e for e in json.loads(store_path.read_text()).values() if e.get("status") == "done"]
     attacks = sorted({a for e in data for a in e["attacks"]})
-    beh = behavioural_points(store_path.stem.replace("frontier_", ""))
+    beh = behavioural_points(model)
     extra = list(BEHAVIOURAL_ATTACKS) if beh else []
     rows = ["| series | setting | top-1 | KL | " + " | ".join(f"{a} TTRSR" for a in attacks + extra) + " | max |"
             + (" max incl. behavioural |" if beh else ""),
@@ -155,36 +143,102 @@ def table(store_path: Path) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
-    ap.add_argument("--budget", default="small", choices=["ci", "small", "full"])
-    ap.add_argument("--sweeps", nargs="*", default=list(SWEEPS))
-    ap.add_argument("--attacks", nargs="*", default=list(DEFAULT_ATTACKS))
-    ap.add_argument("--list", action="store_true", help="print the finished points as a table")
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--private-prompts", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--values", nargs="*", type=float, default=None,
-                    help="only the points whose swept value is one of these, in this order (e.g. 0.5 1.0 0.3)")
-    ap.add_argument("--plot-only", action="store_true")
-    a = ap.parse_args()
-    store_path = RESULTS / f"frontier_{a.model}.json"
-    if not a.plot_only:
-        torch.set_num_threads(a.threads)
-        ev = Evaluator(model_path(a.model), a.attacks, a.budget, a.prompts, 0, a.private_prompts)
-        store = ResultStore(store_path)
-        base = resolve_params("noisy")
-        for name in a.sweeps:
-            points = SWEEPS[name]
-            if a.values is not None:
-                x = SERIES_X.get(name, name)
-                points = [o for v in a.values for o in points if o.get(x) == v]
-            sweep(ev, [base.replace(**o) for o in points], store, seed=1, label=name)
-    plot(store_path, RESULTS / f"frontier_{a.model}.png")
-    if a.list:
-        print(table(store_path))
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"
+    budget: str = "ci"
+    sweeps: tuple[str, ...] = tuple(SWEEPS)
+    attacks: tuple[str, ...] = ("vma", "gate-ia", "nn", "tfma")
+    values: tuple[float, ...] = ()  # only the points whose swept value is one of these, in this order; () = all
+    prompts: int = 20  # built-in chat prompts for the fidelity
+    private_prompts: int = 30  # Faker PII prompts attacked
+    seed: int = 1  # obfuscation seed of every point
+    threads: int = 1
 
 
-if __name__ == "__main__":
-    main()
+def points(s: Settings) -> list[tuple[str, dict]]:
+    """(series label, overrides of `noisy`) for every point of the settings, in run order."""
+    unknown = [n for n in s.sweeps if n not in SWEEPS]
+    if unknown:
+        raise ValueError(f"unknown sweeps {unknown}; sweeps: {', '.join(SWEEPS)}")
+    out = []
+    for name in s.sweeps:
+        pts = SWEEPS[name]
+        if s.values:
+            x = SERIES_X.get(name, name)
+            pts = [o for v in s.values for o in pts if o.get(x) == v]
+        out += [(name, o) for o in pts]
+    return out
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import torch
+
+    from aloepri.obfuscation.params import resolve_params
+    from aloepri.tuning import Evaluator, params_summary, setting_key
+
+    torch.set_num_threads(s.threads)
+    src = model_path(s.model)
+    ev = None
+    base = resolve_params("noisy")
+    extra = {"attacks": sorted(s.attacks), "budget": s.budget, "fidelity_prompts": s.prompts,
+             "private_prompts": s.private_prompts}
+    for label, overrides in points(s):
+        params = base.replace(**overrides)
+        key = setting_key(src.name, params, s.seed, extra)
+        if store.has(key):
+            continue
+        ev = ev or Evaluator(src, s.attacks, s.budget, s.prompts, 0, s.private_prompts)
+        entry = {"label": label, "model": src.name, **ev.evaluate(params, s.seed), "status": "done"}
+        store.put(key, entry)
+        f = entry["fidelity"]
+        print(f"[{label}] top-1 {f['top1_agreement']:.3f} KL {f['mean_kl']:.4f} max TTRSR {entry['max_ttrsr']} "
+              f"({entry['seconds']:.0f} s) {params_summary(params)}", flush=True)
+
+
+MODEL_FILES = {"smollm2": "smollm2-135m", "qwen-coder": "qwen2.5-coder-0.5b"}  # name -> part of its file's name
+
+
+def model_of(entries: list[dict]) -> str:
+    """The bundled model name of a frontier's points (from the model file name they record)."""
+    files = {e["model"].lower() for e in entries}
+    names = {n for n, part in MODEL_FILES.items() for f in files if part in f}
+    if len(names) != 1:
+        raise ValueError(f"frontier points of {sorted(files)}: expected one bundled model")
+    return names.pop()
+
+
+def done_points(store: ResultStore) -> list[dict]:
+    # "status" is from the rows written by aloepri.tuning.ResultStore (a run in progress was stored as "running")
+    return [e for e in store.entries().values() if e.get("status", "done") == "done"]
+
+
+def report(store: ResultStore) -> str:
+    data = done_points(store)
+    if not data:
+        return "(no finished points)"
+    model = model_of(data)
+    plot(data, model, store.figure_path(".png"))
+    return table(data, model)
+
+
+register(Experiment(
+    name="frontier",
+    summary="privacy-utility frontier: accuracy and attacks on the same obfuscation, one parameter swept at a "
+            "time (minutes per point on SmolLM2, more on Qwen)",
+    settings=Settings,
+    configs={
+        # docs/accuracy.md "Privacy-utility frontier (SmolLM2-135M)"
+        "smollm2-ci": Settings(sweeps=("alpha_e", "alpha_e=alpha_h", "noise_shape=column", "noise_shape=row",
+                                       "alpha_h")),
+        # docs/accuracy.md "Privacy-utility frontier (Qwen2.5-Coder-0.5B-Instruct)"
+        "qwen-coder-ci": Settings(model="qwen-coder", attacks=("gate-ia", "nn"), sweeps=("alpha_e=alpha_h",),
+                                  values=(0.1, 0.2, 0.3, 0.5, 0.7, 1.0)),
+        # a check that the path runs: one point (no noise), NN only, 5 + 5 prompts
+        "smoke": Settings(sweeps=("alpha_e",), values=(0.0,), attacks=("nn",), prompts=5, private_prompts=5),
+    },
+    default_config="smollm2-ci",
+    run=run, report=report, docs=("docs/accuracy.md", "docs/security.md"),
+    notes="CPU; report also reads every stored config of attack_behavioural; audit_frontier derives the audit's "
+          "package data from both",
+))
