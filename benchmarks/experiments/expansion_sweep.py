@@ -93,15 +93,15 @@ def run(s: Settings, store: ResultStore) -> None:
             built = obfuscated(src, params, OBFUSCATION_SEED)
             target = AttackTarget(src, built.model_dir, built.key_path)
             data = private_prompts(target.tokenizer, n=s.prompts, seed=VICTIM_SEED)
-            runners = {"isa_anchor": lambda: isa_anchor_attack(target, data, budget, 0, cfg=isa_cfg),
-                       "isa_attention": lambda: isa_attention_attack(target, data, budget, 0, cfg=isa_cfg),
-                       "nn": lambda: run_nn(target, data, budget, 0),
-                       "ima": lambda: _ima(target, data, budget, 0, oracle=False)}
+            runners = {"isa_anchor": lambda t: isa_anchor_attack(t, data, budget, 0, cfg=isa_cfg),
+                       "isa_attention": lambda t: isa_attention_attack(t, data, budget, 0, cfg=isa_cfg),
+                       "nn": lambda t: run_nn(t, data, budget, 0),
+                       "ima": lambda t: _ima(t, data, budget, 0, oracle=False)}
             for attack in todo:
                 key = f"{s.model}/{preset}/h{h_eff}/{attack}/{s.budget}"
                 t0 = time.perf_counter()
                 entry = (fidelity(target, s.fidelity_texts, 128) if attack == "fidelity"
-                         else runners[attack]().to_dict())
+                         else runners[attack](target).to_dict())
                 entry.update(model=s.model, preset=preset, h_requested=h_req, h_effective=h_eff,
                              hidden_size=d + 2 * h_eff, plain_hidden_size=d, seconds=time.perf_counter() - t0,
                              victim=f"{s.prompts} Faker PII prompts, seed {VICTIM_SEED}",
