@@ -114,32 +114,26 @@ def table(entries: dict[str, dict]) -> str:
 
 def plot(entries: dict[str, dict], path) -> None:
     """Top-1 agreement (x) against TTRSR (y) of each attack, one point per obfuscated target."""
-    import matplotlib
+    from ..lib.plots import figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for model in sorted({k.split("/")[0] for k in entries}):
-        for attack in sorted({k.split("/")[2] for k in entries if k.startswith(model + "/")} - {"fidelity"}):
-            pts = []
-            for key, e in entries.items():
-                m, target, a, _ = key.split("/")
-                fid = entries.get(f"{m}/{target}/fidelity/-")
-                if m == model and a == attack and fid and e.get("ttrsr") is not None:
-                    pts.append((fid["top1_agreement"], e["ttrsr"], target))
-            pts.sort()
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{model} {attack}")
-                for x, y, t in pts:
-                    ax.annotate(t, (x, y), fontsize=7)
-    ax.set_xlabel("top-1 agreement with the plaintext model")
-    ax.set_ylabel("TTRSR (prompt tokens recovered)")
-    ax.set_title("Behavioural attacks: accuracy vs. leakage (same obfuscated output)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (6, 4)) as ax:
+        for model in sorted({k.split("/")[0] for k in entries}):
+            for attack in sorted({k.split("/")[2] for k in entries if k.startswith(model + "/")} - {"fidelity"}):
+                pts = []
+                for key, e in entries.items():
+                    m, target, a, _ = key.split("/")
+                    fid = entries.get(f"{m}/{target}/fidelity/-")
+                    if m == model and a == attack and fid and e.get("ttrsr") is not None:
+                        pts.append((fid["top1_agreement"], e["ttrsr"], target))
+                pts.sort()
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{model} {attack}")
+                    for x, y, t in pts:
+                        ax.annotate(t, (x, y), fontsize=7)
+        ax.set_xlabel("top-1 agreement with the plaintext model")
+        ax.set_ylabel("TTRSR (prompt tokens recovered)")
+        ax.set_title("Behavioural attacks: accuracy vs. leakage (same obfuscated output)")
+        ax.legend(fontsize=7)
 
 
 def report(store: ResultStore) -> str:

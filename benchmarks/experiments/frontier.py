@@ -75,50 +75,44 @@ def matched_behavioural(entry: dict, points: list[dict]) -> dict | None:
 
 
 def plot(data: list[dict], model: str, png) -> None:
-    import matplotlib
+    from ..lib.plots import figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for label in sorted({e["label"] for e in data}):
-        pts = sorted((e["fidelity"]["top1_agreement"], e["max_ttrsr"], e["params"][SERIES_X.get(label, label)]) for e in data
-                     if e["label"] == label and e["max_ttrsr"] is not None)
-        if not pts:
-            continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-        for x, y, v in pts:
-            ax.annotate(str(v), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    beh = behavioural_points(model)
-    for attack, marker in zip(BEHAVIOURAL_ATTACKS, ("s", "^")):
-        # a reduced-budget row (attack_behavioural's reduced configs) is marked in its label
-        pts = sorted((p["top1"], p["attacks"][attack],
-                      p["target"] + (" (reduced)" if p["budgets"][attack].endswith("reduced") else ""))
-                     for p in beh if attack in p["attacks"])
-        if not pts:
-            continue
-        # the line joins the noise settings (alpha-X, noisy, exact); `paper` (another lam/alpha mix) is a lone marker
-        line = [p for p in pts if not p[2].startswith("paper")]
-        (h,) = ax.plot([p[0] for p in line], [p[1] for p in line], marker + "--", lw=1.2,
-                       label=f"{attack} (own output, seed 1234)")
-        lone = [p for p in pts if p[2].startswith("paper")]
-        ax.plot([p[0] for p in lone], [p[1] for p in lone], marker, color=h.get_color())
-        for x, y, t in pts:
-            ax.annotate(t, (x, y), fontsize=6, xytext=(3, -9), textcoords="offset points")
-    worst = sorted((e["fidelity"]["top1_agreement"], max([e["max_ttrsr"], *b["attacks"].values()]), b["target"])
-                   for e in data if e["max_ttrsr"] is not None and (b := matched_behavioural(e, beh)))
-    if worst:
-        ax.plot([p[0] for p in worst], [p[1] for p in worst], "kD:", lw=1.5, ms=5,
-                label="worst of weight + behavioural attacks (same params)")
-    ax.set_xlabel("top-1 agreement with the plaintext model (utility)")
-    ax.set_ylabel("TTRSR (privacy loss): highest over the weight attacks,\nor of the named attack")
-    ax.set_title(f"privacy-utility frontier, {model}")
-    ax.axhline(0.05, color="grey", lw=0.8, ls="--")
-    ax.legend(title="swept parameter / attack", fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    with figure(png, (7, 5)) as ax:
+        for label in sorted({e["label"] for e in data}):
+            pts = sorted((e["fidelity"]["top1_agreement"], e["max_ttrsr"], e["params"][SERIES_X.get(label, label)]) for e in data
+                         if e["label"] == label and e["max_ttrsr"] is not None)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+            for x, y, v in pts:
+                ax.annotate(str(v), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        beh = behavioural_points(model)
+        for attack, marker in zip(BEHAVIOURAL_ATTACKS, ("s", "^")):
+            # a reduced-budget row (attack_behavioural's reduced configs) is marked in its label
+            pts = sorted((p["top1"], p["attacks"][attack],
+                          p["target"] + (" (reduced)" if p["budgets"][attack].endswith("reduced") else ""))
+                         for p in beh if attack in p["attacks"])
+            if not pts:
+                continue
+            # the line joins the noise settings (alpha-X, noisy, exact); `paper` (another lam/alpha mix) is a lone marker
+            line = [p for p in pts if not p[2].startswith("paper")]
+            (h,) = ax.plot([p[0] for p in line], [p[1] for p in line], marker + "--", lw=1.2,
+                           label=f"{attack} (own output, seed 1234)")
+            lone = [p for p in pts if p[2].startswith("paper")]
+            ax.plot([p[0] for p in lone], [p[1] for p in lone], marker, color=h.get_color())
+            for x, y, t in pts:
+                ax.annotate(t, (x, y), fontsize=6, xytext=(3, -9), textcoords="offset points")
+        worst = sorted((e["fidelity"]["top1_agreement"], max([e["max_ttrsr"], *b["attacks"].values()]), b["target"])
+                       for e in data if e["max_ttrsr"] is not None and (b := matched_behavioural(e, beh)))
+        if worst:
+            ax.plot([p[0] for p in worst], [p[1] for p in worst], "kD:", lw=1.5, ms=5,
+                    label="worst of weight + behavioural attacks (same params)")
+        ax.set_xlabel("top-1 agreement with the plaintext model (utility)")
+        ax.set_ylabel("TTRSR (privacy loss): highest over the weight attacks,\nor of the named attack")
+        ax.set_title(f"privacy-utility frontier, {model}")
+        ax.axhline(0.05, color="grey", lw=0.8, ls="--")
+        ax.legend(title="swept parameter / attack", fontsize=7)
+        ax.grid(alpha=0.3)
 
 
 def table(data: list[dict], model: str) -> str:
