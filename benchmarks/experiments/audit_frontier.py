@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, get_experiment, register
+from ..lib import Experiment, ResultStore, register
 from ..lib.provenance import REPO
+from ..lib.stored import stored_results
 
 OUT = REPO / "src" / "aloepri" / "audit" / "measured_frontier.json"
 DERIVED_BY = "python -m benchmarks run audit_frontier"
@@ -40,12 +41,6 @@ def _setting(params: dict) -> str:
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
-def stored_results(experiment: str) -> list[ResultStore]:
-    exp = get_experiment(experiment)
-    stores = [exp.store(c) for c in (*exp.config_names, *exp.legacy_configs)]
-    return [s for s in stores if s.path.exists()]
 
 
 def model_points(model: str) -> list[dict]:

@@ -36,23 +36,12 @@ SERIES_X = {"noise_shape=column": "alpha_e", "noise_shape=row": "alpha_e", "alph
 BEHAVIOURAL_ATTACKS = ("behavioural", "behavioural-composed")
 
 
-def behavioural_entries() -> dict[str, dict]:
-    """The stored rows of every config of the attack_behavioural experiment, merged (keys are unique per target)."""
-    from ..lib import get_experiment
-
-    exp = get_experiment("attack_behavioural")
-    merged: dict[str, dict] = {}
-    for config in (*exp.config_names, *exp.legacy_configs):
-        store = exp.store(config)
-        if store.path.exists():
-            merged.update(store.entries())
-    return merged
-
-
 def behavioural_points(model: str) -> list[dict]:
     """One dict per obfuscated target of attack_behavioural for this model: target name, its parameters, top-1
     agreement of that same output, and TTRSR per behavioural attack (largest budget stored)."""
-    store = behavioural_entries()
+    from ..lib.stored import merged_entries
+
+    store = merged_entries("attack_behavioural")
     points: dict[str, dict] = {}
     for key, e in store.items():
         m, target, attack, budget = key.split("/")
