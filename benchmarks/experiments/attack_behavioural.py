@@ -72,7 +72,8 @@ def run(s: Settings, store: ResultStore) -> None:
             need_fidelity = target != PERMUTATION_ONLY and not store.has(fkey)
             if not todo and not need_fidelity:
                 continue
-            plain = plain or load_plain_model(src)
+            if plain is None:
+                plain = load_plain_model(src)
             t = build_target(src, target, s.seed, plain)
             if need_fidelity:
                 store.put(fkey, fidelity_entry(plain, t))

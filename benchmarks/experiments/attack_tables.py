@@ -41,7 +41,8 @@ def run(s: Settings, store: ResultStore) -> None:
             todo = [a for a in s.attacks if not store.has(f"{model}/{target}/{a}/{s.budget}")]
             if not todo:
                 continue
-            plain = plain or load_plain_model(src)
+            if plain is None:
+                plain = load_plain_model(src)
             t = build_target(src, target, s.seed, plain)
             data = private_data(t.tokenizer, s.prompts, 0)
             for name in todo:

@@ -104,7 +104,8 @@ def run(s: Settings, store: ResultStore) -> None:
         todo = [n for n in s.attacks if not store.has(f"smollm2/{target}/{n}/{s.budget}")]
         if not todo and store.has(fkey):
             continue
-        plain = plain or load_plain_model(src)
+        if plain is None:
+            plain = load_plain_model(src)
         base = target.split(CLIENT_STEP, 1)[0]
         factors = None
         if target_params(base).needs_noise_factors:

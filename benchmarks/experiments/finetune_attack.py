@@ -201,7 +201,8 @@ def attack(s: Settings, store: ResultStore) -> None:
             if not todo:
                 continue
             built = obfuscated(work / f"ckpt-{lbl}", setting_params(setting), OBF_SEED)
-            base = base or load_plain_model(src)
+            if base is None:
+                base = load_plain_model(src)
             # the attacker's reference is the PUBLIC BASE model, not the fine-tune that was obfuscated
             target = AttackTarget(src, built.model_dir, built.key_path)
             target.plain_model = base
@@ -290,6 +291,8 @@ register(Experiment(
         "lossless": Settings(),
         # ... and the noisy obfuscation of checkpoint 10
         "noisy-10": Settings(steps=(10,), settings=("noisy",), attacks=("vma@ci", "isa_anchor@ci")),
+        # a check that the path runs: one fine-tuning step saved as a checkpoint, obfuscated, VMA on 5 prompts
+        "smoke": Settings(steps=(1,), eval_blocks=1, eval_prompts=2, attacks=("vma@ci",), prompts=5),
     },
     default_config="lossless",
     run=run, report=report, docs=("docs/security.md",),

@@ -171,7 +171,8 @@ def run(s: Settings, store: ResultStore) -> None:
         key = setting_key(src.name, params, s.seed, extra)
         if store.has(key):
             continue
-        ev = ev or Evaluator(src, s.attacks, s.budget, s.prompts, 0, s.private_prompts)
+        if ev is None:
+            ev = Evaluator(src, s.attacks, s.budget, s.prompts, 0, s.private_prompts)
         entry = {"label": label, "model": src.name, **ev.evaluate(params, s.seed), "status": "done"}
         store.put(key, entry)
         f = entry["fidelity"]
