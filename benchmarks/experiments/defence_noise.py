@@ -183,5 +183,6 @@ register(Experiment(
     },
     default_config="accuracy",
     run=run, report=report, docs=("docs/defences.md",),
-    notes="CPU; fisher targets compute the noise factors first (2-4 min on SmolLM2)",
+    notes="CPU; fisher targets compute the noise factors first (2-4 min on SmolLM2). The kept results built on the "
+          "noisy preset of then (lam 0.1, h 128, beta 8); every row records its parameters",
 ))

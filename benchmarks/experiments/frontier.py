@@ -224,5 +224,5 @@ register(Experiment(
     default_config="smollm2-ci",
     run=run, report=report, docs=("docs/accuracy.md", "docs/security.md"),
     notes="CPU; report also reads every stored config of attack_behavioural; audit_frontier derives the audit's "
-          "package data from both",
+          "package data from both. The kept results swept the noisy preset of then (lam 0.1, h 128, beta 8)",
 ))
