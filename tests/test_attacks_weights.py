@@ -155,7 +155,7 @@ def test_cli_attack_writes_report(tiny_targets, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_smollm2_positive_controls(smollm2_exact):
     """Real model, exact preset (no noise): Gate-IA recovers the vocabulary over the full 49,152-token pool. (VMA,
-    Attn-IA and NN positive controls on SmolLM2 take minutes: benchmarks/attack_tables.py measures them.)"""
+    Attn-IA and NN positive controls on SmolLM2 take minutes: `python -m benchmarks run attack_tables` measures them.)"""
     from aloepri.attacks.data import private_prompts
     from aloepri.attacks.invariant import run_gate_ia
 

@@ -224,7 +224,7 @@ def test_cli_refuses_bad_inputs_with_one_line(lossless, tmp_path, capsys):
 
 def test_measured_frontier_package_data():
     m = frontier_mod.load_measured()
-    assert m["provenance"]["derived_by"] == "benchmarks/audit_frontier.py"
+    assert m["provenance"]["derived_by"] == "python -m benchmarks run audit_frontier"
     assert frontier_mod.model_for(["/x/SmolLM2-135M-Instruct.Q4_1.gguf"], m) == "smollm2"
     assert frontier_mod.model_for(["/x/other.gguf"], m) is None
     pts = m["models"]["smollm2"]["points"]

@@ -1,6 +1,6 @@
 """The measured privacy-utility points shipped with the package (``measured_frontier.json``, derived by
-benchmarks/audit_frontier.py from the project's frontier and behavioural benchmarks; its provenance is inside),
-and the frontier through them."""
+`python -m benchmarks run audit_frontier` from the project's frontier and behavioural experiments; its provenance
+is inside), and the frontier through them."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,151 @@
+"""Wall time of `aloepri attack` (behavioural + VMA + isa_anchor) per device, and of the behavioural attack per probe
+batch, measured side by side in one run.
+
+Each configuration is the real command (`python -m aloepri.cli attack ... --device D --batch N`) in its own process,
+timed from start to exit (model loading included), with the per-attack seconds, TTRSR and vocabulary recovery read
+back from its report, so a change of result across batches or devices shows beside the change of speed. The
+configurations of one run are interleaved (device by device, batch by batch, in the order given), so a ratio
+compares runs minutes apart on the same machine; compare ratios, not absolute seconds, across machines.
+
+VMA and isa_anchor do not depend on the probe batch: they run once per device; `behavioural` runs once per batch.
+Batch "default" is each stage's own batch (16 sequences per output-profile forward, all generation prompts at once,
+128 for the input-side re-ranking); batch 1 is the unbatched path. Rows keyed ``device/batch/attacks``.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..lib import Experiment, ResultStore, register
+
+WEIGHT_ATTACKS = "vma,isa_anchor"  # batch-independent
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"  # a bundled model's name, or a Hugging Face Llama/Qwen2 directory or GGUF file
+    preset: str = "exact"  # obfuscation preset of the attacked model (seed 1234)
+    devices: tuple[str, ...] = ("cpu",)
+    batches: tuple[str, ...] = ("1", "default", "64")  # behavioural probe batches ("default" = the stages' own)
+    budget: str = "ci"
+    prompts: int = 10
+    threads: int = 2
+
+
+def source(model: str) -> Path:
+    from ..lib.models import model_path
+
+    path = Path(model)
+    return path if path.exists() else model_path(model)
+
+
+def attack_once(src: Path, server: Path, key: Path, names: str, device: str, batch: str, budget: str, prompts: int,
+                threads: int, report_dir: Path) -> dict:
+    """One `aloepri attack` process: wall seconds, per-attack seconds and TTRSR from its JSON report."""
+    cmd = [sys.executable, "-m", "aloepri.cli", "attack", names, "--plain", str(src), "--obfuscated", str(server),
+           "--key", str(key), "--budget", budget, "--prompts", str(prompts), "--threads", str(threads),
+           "--device", device, "--report-dir", str(report_dir)]
+    if batch != "default":
+        cmd += ["--batch", batch]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    report = json.loads((report_dir / "attack_report.json").read_text())
+    attacks = {r["attack"]: {"seconds": round(r["seconds"], 2), "ttrsr": r["ttrsr"], "piirsr": r["piirsr"],
+                             "vocab_recovery": r["metrics"].get("vocab_recovery",
+                                                                r["metrics"].get("vocab_recovery_sampled")),
+                             "error": r["metrics"].get("error"), "ran_on": r["budget"].get("device")}
+               for r in report["results"]}
+    return {"command": " ".join(cmd[2:]), "device": device, "batch": batch, "wall_seconds": round(wall, 2),
+            "attacks": attacks, "device_name": report["context"].get("device")}
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import aloepri
+    from aloepri.storage.devices import describe_device
+
+    from ..lib.targets import obfuscated
+
+    src = source(s.model)
+    names = {d: describe_device(d) for d in s.devices}  # refuses an absent device before any work
+    t0 = time.perf_counter()
+    built = obfuscated(src, aloepri.resolve_params(s.preset), 1234)
+    print(f"obfuscated {src.name} ({s.preset}) in {time.perf_counter() - t0:.0f} s -> {built.model_dir}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="aloepri-device-bench-") as work:
+        for dev in s.devices:
+            plan = [(WEIGHT_ATTACKS, "default")] + [("behavioural", b) for b in s.batches]
+            for i, (attacks, batch) in enumerate(plan):
+                key = f"{dev}/{batch}/{attacks}"
+                if store.has(key):
+                    continue
+                row = attack_once(src, built.model_dir, built.key_path, attacks, dev, batch, s.budget, s.prompts,
+                                  s.threads, Path(work) / f"report-{dev.replace(':', '_')}-{i}")
+                store.put(key, {**row, "model": src.name, "preset": s.preset, "device_description": names[dev]})
+                print(json.dumps({k: row[k] for k in ("device", "batch", "wall_seconds", "attacks")}), flush=True)
+
+
+def rows_of(store: ResultStore) -> list[dict]:
+    return [e for e in store.entries().values() if "attacks" in e]
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Ratios inside this run: behavioural seconds per batch against batch 1 on the same device, and each
+    device's total against the CPU's."""
+    out: dict = {}
+    for dev in sorted({r["device"] for r in rows}):
+        beh = {r["batch"]: r["attacks"]["behavioural"]["seconds"] for r in rows
+               if r["device"] == dev and "behavioural" in r["attacks"]}
+        if "1" in beh:
+            out[f"{dev}: behavioural speed-up over batch 1"] = {b: round(beh["1"] / s, 2) for b, s in beh.items()}
+    totals = {}
+    for dev in {r["device"] for r in rows}:
+        weights = [r for r in rows if r["device"] == dev and "vma" in r["attacks"]]
+        beh = [r["attacks"]["behavioural"]["seconds"] for r in rows
+               if r["device"] == dev and "behavioural" in r["attacks"]]
+        if weights and beh:
+            a = weights[0]["attacks"]
+            totals[dev] = a["vma"]["seconds"] + a["isa_anchor"]["seconds"] + min(beh)
+    if "cpu" in totals:
+        out["attack seconds (vma + isa_anchor + best behavioural batch)"] = {d: round(s, 1) for d, s in totals.items()}
+        out["speed-up over cpu"] = {d: round(totals["cpu"] / s, 2) for d, s in totals.items()}
+    return out
+
+
+def report(store: ResultStore) -> str:
+    rows = rows_of(store)
+    lines = ["| device | batch | attack | attack seconds | TTRSR | vocabulary recovery | process wall seconds |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, a in r["attacks"].items():
+            voc = "-" if a["vocab_recovery"] is None else f"{a['vocab_recovery']:.6g}"
+            ttrsr = f"error: {a['error']}" if a.get("error") else f"{a['ttrsr']:.2f}"
+            lines.append(f"| {r['device']} | {r['batch']} | {name} | {a['seconds']:.0f} | {ttrsr} | {voc} | "
+                         f"{r['wall_seconds']:.0f} |")
+    summary = summarise(rows)
+    if summary:
+        lines += ["", "```json", json.dumps(summary, indent=2), "```"]
+    return "\n".join(lines)
+
+
+register(Experiment(
+    name="device_attack",
+    summary="wall time of `aloepri attack` per device and behavioural probe batch, side by side in one run "
+            "(~1 h on 2 CPU cores for SmolLM2)",
+    settings=Settings,
+    configs={
+        # docs/performance.md: 2 shared CPU cores, no GPU
+        "smollm2-cpu": Settings(),
+        # the same on a GPU machine, CPU beside it (for a model of a few B parameters: --set model=DIR --save-as ...)
+        "smollm2-cuda": Settings(devices=("cpu", "cuda"), batches=("1", "default", "128"), threads=16),
+    },
+    default_config="smollm2-cpu",
+    run=run, report=report, docs=("docs/performance.md",),
+    notes="each configuration is its own `aloepri attack` process; no config takes under a few minutes",
+))
