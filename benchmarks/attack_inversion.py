@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 import aloepri
-from aloepri.attacks.base import AttackTarget, Budget
+from aloepri.attacks.base import AttackTarget, Budget, unprotected_target
 from aloepri.attacks.data import private_prompts
 from aloepri.attacks.decipher import sda_attack
-from aloepri.attacks.inversion import ISAConfig, _ima, isa_attention_attack, isa_hidden_attack, unprotected_target
+from aloepri.attacks.ima import run_ima
+from aloepri.attacks.isa import ISAConfig, isa_attention_attack, isa_hidden_attack
 from aloepri.models import smollm2_gguf
 
 RESULTS = Path(__file__).parent / "results" / "attack_inversion.json"
@@ -74,9 +75,9 @@ def main() -> None:
         data = private_prompts(target.tokenizer, n=args.prompts, seed=7)
         t0 = time.perf_counter()
         if attack == "ima_oracle":
-            res = _ima(target, data, budget, 0, oracle=True)
+            res = run_ima(target, data, budget, 0, oracle=True)
         elif attack == "ima":
-            res = _ima(target, data, budget, 0, oracle=False)
+            res = run_ima(target, data, budget, 0, oracle=False)
         elif attack == "sda":
             res = sda_attack(target, data, budget, 0)
         elif attack == "isa_hidden":

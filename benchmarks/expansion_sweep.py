@@ -25,7 +25,8 @@ import torch
 import aloepri
 from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.data import private_prompts
-from aloepri.attacks.inversion import ISAConfig, _ima, isa_anchor_attack, isa_attention_attack
+from aloepri.attacks.ima import run_ima
+from aloepri.attacks.isa import ISAConfig, isa_anchor_attack, isa_attention_attack
 from aloepri.attacks.nn import run_nn
 from aloepri.obfuscation.secrets import effective_h
 from variants import parse_variant  # same directory
@@ -143,7 +144,7 @@ def main() -> None:
                     runners = {"isa_anchor": lambda: isa_anchor_attack(target, data, budget, 0, cfg=isa_cfg),
                                "isa_attention": lambda: isa_attention_attack(target, data, budget, 0, cfg=isa_cfg),
                                "nn": lambda: run_nn(target, data, budget, 0),
-                               "ima": lambda: _ima(target, data, budget, 0, oracle=False)}
+                               "ima": lambda: run_ima(target, data, budget, 0, oracle=False)}
                     entry = runners[attack]().to_dict()
                 entry.update(model=args.model, preset=preset, h_requested=h_req, h_effective=h_eff,
                              hidden_size=d + 2 * h_eff, plain_hidden_size=d, seconds=time.perf_counter() - t0,

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .dp_forward import DPForward, ima_inversion, nn_inversion, noisy_prefill, observed_states, single_token_states
+from ..runtime.probe import single_token_states
+from .dp_forward import DPForward, ima_inversion, nn_inversion, noisy_prefill, observed_states
 from .token_substitution import RanText, SanText, TokenSubstitution, fresh_seed
 
 METHODS = ("santext", "rantext", "dp-forward", "dp-forward-paper")
@@ -73,12 +74,12 @@ def privacy(method, model, tokenizer, data, seed: int, budget: str = "small", te
                          "seconds": time.perf_counter() - t0}
         if "ima" in attacks:
             from ..attacks.base import Budget
-            from ..attacks.inversion import IMAConfig, _train_token_stream
+            from ..attacks.ima import IMAConfig, attacker_token_stream
 
             t1 = time.perf_counter()
             cfg = IMAConfig.for_budget(Budget.named(budget), layer=method.layer)
             vocab = int(model.get_input_embeddings().weight.shape[0])
-            stream, provenance = _train_token_stream(SimpleNamespace(tokenizer=tokenizer), cfg.train_tokens, seed,
+            stream, provenance = attacker_token_stream(SimpleNamespace(tokenizer=tokenizer), cfg.train_tokens, seed,
                                                      vocab)
             guesses, facts = ima_inversion(model, method, noisy, stream, cfg, seed)
             out["ima"] = {**_score(tokenizer, data, guesses, text_metrics), **facts, "budget": budget,
