@@ -148,7 +148,7 @@ def main() -> None:
             data = private_data(t.tokenizer, a.prompts, 0)
             if need_fidelity:
                 # accuracy of the very output attacked (built-in chat prompts, as the tuner measures it)
-                from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+                from aloepri.eval.fidelity import builtin_prompt_ids, compare
 
                 ids = builtin_prompt_ids(t.tokenizer, plain.config.vocab_size, 20)
                 store = save_entry(fkey, compare(plain, t.obf_model, t.key, ids, greedy_tokens=0).to_dict())

@@ -4,7 +4,7 @@ built-in chat prompts) AND attacks on the very same obfuscated model.
 
 Targets
   <shape>-<alpha>               the noisy preset with alpha_e = alpha_h = alpha and noise_shape = <shape>
-                                (isotropic: the paper's; fisher: aloepri.obfuscation.noise + eval.sensitivity)
+                                (isotropic: the paper's; fisher: aloepri.obfuscation.noise + runtime.sensitivity)
   <shape>-<alpha>+headfit-<n>   that model after client-side distillation of its head on <n> windows (below)
 
 Distillation (client side, in obfuscated coordinates; the client holds the key and the public model): the noisy
@@ -146,14 +146,14 @@ def main() -> None:
         params = target_params(base)
         factors = None
         if params.needs_noise_factors:
-            from aloepri.eval.sensitivity import fisher_noise_factors
+            from aloepri.runtime.sensitivity import fisher_noise_factors
 
             factors = fisher_noise_factors(src)
         t = attack_tables.build_target(src, base, work, a.seed, plain, params_fn=target_params,
                                        noise_factors=factors)
         extra = {}
         if "+headfit-" in target:
-            from aloepri.attacks.data import corpus, tokenize_texts
+            from aloepri.corpora import corpus, tokenize_texts
 
             n_seqs = int(target.rsplit("-", 1)[1])
             toks = tokenize_texts(t.tokenizer, corpus(DISTILL_CORPUS), max_tokens=n_seqs * a.distill_length)
@@ -161,7 +161,7 @@ def main() -> None:
             print(f"refitting the head of {base} on {n_seqs} x {a.distill_length} positions", flush=True)
             extra["distillation"] = refit_head(plain, t.obf_model, t.key.permutation, ids)
         if fkey not in store:
-            from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+            from aloepri.eval.fidelity import builtin_prompt_ids, compare
 
             ids = builtin_prompt_ids(t.tokenizer, plain.config.vocab_size, 20)
             entry = compare(plain, t.obf_model, t.key, ids, greedy_tokens=0).to_dict()

@@ -3,7 +3,7 @@
 Every point is one obfuscation of the model (seed 1) measured for fidelity (built-in chat prompts, top-1 agreement
 and KL against the plaintext model) and attacked by the attack suite (private Faker-PII prompts, full-vocabulary
 candidate pools, the budget given). Resumable and parallel-safe: results go to
-benchmarks/results/frontier_<model>.json through aloepri.tuning.ResultStore; start a second process with the same
+benchmarks/results/frontier_<model>.json through aloepri.eval.tuning.ResultStore; start a second process with the same
 arguments to use the second core. The plot (PNG) puts top-1 agreement on x and the highest TTRSR over the attacks
 on y, one series per swept parameter, like the paper's privacy-utility figure.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from aloepri.obfuscation.params import resolve_params
-from aloepri.tuning import DEFAULT_ATTACKS, Evaluator, ResultStore, sweep
+from aloepri.eval.tuning import DEFAULT_ATTACKS, Evaluator, ResultStore, sweep
 
 RESULTS = Path(__file__).parent / "results"
 SWEEPS = {  # series -> overrides of the `noisy` preset, one dict per point; the series label names the x value

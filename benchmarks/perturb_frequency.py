@@ -1,4 +1,4 @@
-"""What the client's online token perturbation (aloepri.eval.perturb) does to the frequency attacks: TFMA and
+"""What the client's online token perturbation (aloepri.runtime.perturb) does to the frequency attacks: TFMA and
 SDA in the distribution-aware setting (the attacker's prior is held-out text from the client's own
 distribution, the strongest of the paper's three), on SmolLM2-135M's 49,152-token vocabulary.
 
@@ -24,7 +24,7 @@ from aloepri.attacks.data import private_prompts
 from aloepri.attacks.decipher import sda_setting_attack
 from aloepri.attacks.frequency import run_tfma
 from aloepri.attacks.nn import permutation_only_target
-from aloepri.eval.perturb import TokenPerturbation
+from aloepri.runtime.perturb import TokenPerturbation
 from aloepri.models import smollm2_gguf
 
 OUT = Path(__file__).parent / "results" / "perturb_frequency.json"

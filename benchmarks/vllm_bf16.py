@@ -1,7 +1,7 @@
 """Reduced-precision serving of obfuscated SmolLM2-135M-Instruct on vLLM (CPU build) and transformers: how much
 does bf16 / f16 lose against plaintext float32, and is it more than plaintext bf16 / f16 loses on its own?
 
-Text: the 20 built-in chat prompts (aloepri.runtime.fidelity) each followed by the plaintext float32 model's greedy
+Text: the 20 built-in chat prompts (aloepri.eval.fidelity) each followed by the plaintext float32 model's greedy
 reply on vLLM (up to --reply-tokens). Every position of that text is scored teacher-forced (the model sees the
 same tokens whatever it predicts): full-vocabulary logits, mapped back through the key for obfuscated models,
 against plaintext float32 on vLLM. Reported per (model, engine, dtype):
@@ -233,7 +233,7 @@ def main() -> None:
     import torch
 
     import aloepri
-    from aloepri.runtime.fidelity import builtin_prompt_ids
+    from aloepri.eval.fidelity import builtin_prompt_ids
     from aloepri.export.gguf import plaintext_reference_dir
     from aloepri.runtime.tokenizer import load_tokenizer
     from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf

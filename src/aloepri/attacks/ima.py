@@ -65,14 +65,14 @@ class IMAConfig:
 def attacker_token_stream(target: AttackTarget, n_tokens: int, seed: int, vocab: int) -> tuple[np.ndarray, str]:
     """The attacker's public training text as plaintext ids, and where it came from."""
     try:
-        from .data import corpus, tokenize_texts
+        from ..corpora import corpus, tokenize_texts
 
         tok = target.tokenizer
         texts = corpus("fortunes") + corpus("debian-reference")
         order = np.random.default_rng(seed).permutation(len(texts))
         ids = tokenize_texts(tok, [texts[i] for i in order], max_tokens=n_tokens)
         if len(ids) >= min(n_tokens, 1000):
-            return ids, ("fortunes + debian-reference (aloepri.attacks.data.corpus; disjoint from the victim's "
+            return ids, ("fortunes + debian-reference (aloepri.corpora.corpus; disjoint from the victim's "
                          "PII prompts)")
     except Exception:
         pass

@@ -99,8 +99,8 @@ def privacy(method, model, tokenizer, data, seed: int, budget: str = "small", te
 
 def user_content_prompts(tokenizer, n: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(chat-templated ids, positions of the user's text) for the built-in fidelity prompts."""
-    from ..eval.perturb import content_span
-    from ..runtime.fidelity import BUILTIN_PROMPTS
+    from ..runtime.perturb import content_span
+    from ..eval.fidelity import BUILTIN_PROMPTS
 
     out = []
     for p in BUILTIN_PROMPTS[:n] if n else BUILTIN_PROMPTS:
@@ -112,7 +112,7 @@ def user_content_prompts(tokenizer, n: int | None = None) -> list[tuple[list[int
 @torch.no_grad()
 def fidelity(method, model, prompts: Sequence[tuple[list[int], list[int]]], seed: int) -> dict[str, Any]:
     """Top-1 agreement and mean KL(clean || perturbed) of the next-token distribution at every prompt position
-    (the same numbers aloepri.runtime.fidelity.compare reports for an obfuscated model), the agreement counted only from
+    (the same numbers aloepri.eval.fidelity.compare reports for an obfuscated model), the agreement counted only from
     the first perturbed position on, and the token change rate."""
     agree = kl = changed = perturbed_positions = agree_after = 0.0
     n_pos = n_after = 0
@@ -159,7 +159,7 @@ class BaselineRunner:
 
     def complete(self, problem: dict, max_new_tokens: int) -> dict:
         from ..eval.humaneval import INSTRUCTION, _eos_ids, build_prompt_ids, greedy_until
-        from ..eval.perturb import content_span
+        from ..runtime.perturb import content_span
 
         ids, prefill = build_prompt_ids(self.tokenizer, problem)
         chat, span = content_span(self.tokenizer, [{"role": "user", "content": INSTRUCTION.format(prompt=problem["prompt"])}])

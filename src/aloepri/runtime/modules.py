@@ -15,66 +15,30 @@ import torch
 Module = torch.nn.Module
 
 
+def _part(parent: str, name: str) -> property:
+    """The role held as attribute ``name`` of the layer's ``parent`` module; None where the layer has none."""
+    return property(lambda self: getattr(getattr(self, parent), name, None))
+
+
 @dataclass(frozen=True)
 class LayerModules:
     """One decoder layer by role. Absent roles are None (MLA has no q_proj; a MoE layer has no dense gate)."""
 
     block: Module  # the decoder layer itself (its output is the residual stream after it)
 
-    @property
-    def attn_norm(self) -> Module:
-        return self.block.input_layernorm
-
-    @property
-    def attention(self) -> Module:
-        return self.block.self_attn
-
-    @property
-    def ffn_norm(self) -> Module:
-        return self.block.post_attention_layernorm
-
-    @property
-    def mlp(self) -> Module:
-        return self.block.mlp
-
-    def _attn(self, name: str) -> Module | None:
-        return getattr(self.attention, name, None)
-
-    @property
-    def q(self) -> Module | None:
-        return self._attn("q_proj")
-
-    @property
-    def k(self) -> Module | None:
-        return self._attn("k_proj")
-
-    @property
-    def v(self) -> Module | None:
-        return self._attn("v_proj")
-
-    @property
-    def o(self) -> Module | None:
-        return self._attn("o_proj")
-
-    @property
-    def q_norm(self) -> Module | None:  # Qwen3: per-head RMSNorm on q and k before RoPE
-        return self._attn("q_norm")
-
-    @property
-    def k_norm(self) -> Module | None:
-        return self._attn("k_norm")
-
-    @property
-    def gate(self) -> Module | None:  # dense feed-forward only (a MoE layer's experts are not one gate)
-        return getattr(self.mlp, "gate_proj", None)
-
-    @property
-    def up(self) -> Module | None:
-        return getattr(self.mlp, "up_proj", None)
-
-    @property
-    def down(self) -> Module | None:
-        return getattr(self.mlp, "down_proj", None)
+    attn_norm = _part("block", "input_layernorm")
+    attention = _part("block", "self_attn")
+    ffn_norm = _part("block", "post_attention_layernorm")
+    mlp = _part("block", "mlp")
+    q = _part("attention", "q_proj")
+    k = _part("attention", "k_proj")
+    v = _part("attention", "v_proj")
+    o = _part("attention", "o_proj")
+    q_norm = _part("attention", "q_norm")  # Qwen3: per-head RMSNorm on q and k before RoPE
+    k_norm = _part("attention", "k_norm")
+    gate = _part("mlp", "gate_proj")  # dense feed-forward only (a MoE layer's experts are not one gate)
+    up = _part("mlp", "up_proj")
+    down = _part("mlp", "down_proj")
 
     @property
     def router(self) -> Module | None:

@@ -8,12 +8,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..attacks.data import corpus, tokenize_texts
+from ..corpora import corpus, tokenize_texts
 from ..obfuscation.noise import FISHER_RIDGE, shaped_noise_factor
-from ..runtime.inference import load_plain_model
-from ..runtime.modules import ModelModules
-from ..runtime.probe import forward_hooks
-from ..runtime.tokenizer import load_hf_tokenizer
+from .inference import load_plain_model
+from .modules import ModelModules
+from .probe import forward_hooks
+from .tokenizer import load_hf_tokenizer
 
 Tensor = torch.Tensor
 
