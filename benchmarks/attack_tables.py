@@ -29,7 +29,7 @@ import aloepri
 from aloepri.attacks import REGISTRY
 from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.cli import private_data
-from aloepri.attacks.nn import permutation_only_target
+from aloepri.attacks.nearest_neighbour import permutation_only_target
 from aloepri.attacks.report import ABLATION_ROWS, ablation_params
 from variants import parse_variant  # same directory
 

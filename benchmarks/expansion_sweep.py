@@ -27,7 +27,7 @@ from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.data import private_prompts
 from aloepri.attacks.ima import run_ima
 from aloepri.attacks.isa import ISAConfig, isa_anchor_attack, isa_attention_attack
-from aloepri.attacks.nn import run_nn
+from aloepri.attacks.nearest_neighbour import run_nn
 from aloepri.obfuscation.secrets import effective_h
 from variants import parse_variant  # same directory
 

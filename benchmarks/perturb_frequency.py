@@ -23,7 +23,7 @@ from aloepri.attacks.base import Budget
 from aloepri.attacks.data import private_prompts
 from aloepri.attacks.decipher import sda_setting_attack
 from aloepri.attacks.frequency import run_tfma
-from aloepri.attacks.nn import permutation_only_target
+from aloepri.attacks.nearest_neighbour import permutation_only_target
 from aloepri.runtime.perturb import TokenPerturbation
 from aloepri.models import smollm2_gguf
 

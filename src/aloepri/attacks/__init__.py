@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib
 
 from .base import REGISTRY, AttackResult, AttackTarget, Budget, PrivateData, register  # noqa: F401
-from . import invariant, nn, vma  # noqa: F401  (registration side effects)
+from . import invariant, nearest_neighbour, vma  # noqa: F401  (registration side effects)
 
 __all__ = ["REGISTRY", "UNAVAILABLE", "AttackResult", "AttackTarget", "Budget", "PrivateData", "register",
-           "invariant", "nn", "vma"]
+           "invariant", "nearest_neighbour", "vma"]
 
 UNAVAILABLE: dict[str, str] = {}  # module -> why it could not be loaded
 

@@ -89,7 +89,8 @@ def _attacker_views(target: AttackTarget, chunks: torch.Tensor, cfg: IMAConfig, 
     params = dict(target.key.params) if target.key is not None else {}
     if oracle:
         obf_ids = torch.as_tensor(target.key.permutation)[chunks]  # the victim's key: oracle only
-        return [batched_states(target.obf_model, cfg.layer, obf_ids)], "oracle pairs from the victim's own key and model"
+        views = [batched_states(target.obf_model, cfg.layer, obf_ids)]
+        return views, "oracle pairs from the victim's own key and model"
     if params.get("mechanism") == UNPROTECTED:
         return [batched_states(target.plain_model, cfg.layer, chunks)], "no protection (target is the plaintext model)"
     from transformers import AutoModelForCausalLM
