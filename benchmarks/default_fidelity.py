@@ -24,14 +24,15 @@ from transformers import AutoModelForCausalLM
 
 from aloepri import PrivateModel, load_key, obfuscate, resolve_params
 from aloepri.models import smollm2_gguf
-from aloepri.runtime.fidelity import compare
+from aloepri.eval.fidelity import compare
 from aloepri.runtime.inference import load_plain_model, load_tokenizer
 
 FRANCE = "What is the capital of France?"
 
 
 def held_out_prompts(tok, n_pii: int, n_fortunes: int) -> tuple[list[str], list[list[int]]]:
-    from aloepri.attacks.data import CorpusNotInstalledError, corpus, private_prompts
+    from aloepri.attacks.data import private_prompts
+    from aloepri.corpora import CorpusNotInstalledError, corpus
 
     texts = private_prompts(tok, n_pii, seed=1).texts
     try:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from aloepri import load_key, obfuscate, resolve_params
-from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+from aloepri.eval.fidelity import builtin_prompt_ids, compare
 from aloepri.runtime.inference import load_plain_model, load_tokenizer
 from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
 

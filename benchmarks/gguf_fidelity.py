@@ -207,7 +207,7 @@ def main() -> None:
     import aloepri
     from aloepri.export.gguf import export_gguf, plaintext_reference_dir
     from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
-    from aloepri.runtime.fidelity import builtin_prompt_ids
+    from aloepri.eval.fidelity import builtin_prompt_ids
     from aloepri.runtime.tokenizer import load_tokenizer
 
     if a.kept_norm_max is not None:

@@ -26,8 +26,8 @@ RESULTS = Path(__file__).parent / "results" / "product_precision.json"
 
 
 def score(plain64, model, key, ids_list) -> dict:
-    """runtime.fidelity.compare against the float64 plaintext (``key=None``: ``model`` is a plaintext model)."""
-    from aloepri.runtime.fidelity import compare
+    """eval.fidelity.compare against the float64 plaintext (``key=None``: ``model`` is a plaintext model)."""
+    from aloepri.eval.fidelity import compare
 
     f = compare(plain64, model, key, ids_list, greedy_tokens=0)
     return {"mean_kl_vs_plain64": f.mean_kl, "top1_vs_plain64": f.top1_agreement,

@@ -16,7 +16,7 @@ from aloepri.attacks import REGISTRY
 from aloepri.attacks.base import AttackTarget, Budget, PrivateData
 from aloepri.attacks.behavioural import (Pairs, published_special_anchors, run_behavioural, template_anchors,
                                          wrap_requests)
-from aloepri.attacks.nn import permutation_only_target
+from aloepri.attacks.nearest_neighbour import permutation_only_target
 
 CI = Budget.named("ci")
 TEMPLATE = ([1, 10, 11, 12], [13, 14, 15])  # stand-in chat template of the tiny models (they ship no tokenizer)

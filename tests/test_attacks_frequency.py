@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import aloepri
+from aloepri import corpora
 from aloepri.attacks import data as attack_data
 from aloepri.attacks.base import REGISTRY, AttackTarget, Budget, PrivateData
 from aloepri.attacks.frequency import (fit_ridge, nearest_rows, run_known_pair_ridge, tfma_match,
@@ -52,7 +53,7 @@ def test_bad_inputs_give_clear_errors(fast_tokenizer):
     with pytest.raises(ValueError, match="unknown setting"):
         attack_data.frequency_setting("psychic")
     with pytest.raises(ValueError, match="unknown corpus"):
-        attack_data.corpus("nope")
+        corpora.corpus("nope")
     with pytest.raises(ValueError, match="token ids"):
         tfma_match(np.array([5, 99]), np.array([1]), vocab_size=10)
 

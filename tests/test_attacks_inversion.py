@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import aloepri
-from aloepri.attacks.base import REGISTRY, AttackTarget, Budget, PrivateData
+from aloepri.attacks.base import REGISTRY, AttackTarget, Budget, PrivateData, unprotected_target
 from aloepri.attacks.decipher import SDAConfig, encode_cipher, frequency_ranks, recurrence_index, sda_attack
-from aloepri.attacks.inversion import (IMAConfig, ISAConfig, _ima, attention_cost, hidden_invariants,
-                                       isa_attention_attack, isa_hidden_attack, layer_states, solve_head_assignment,
-                                       unprotected_target)
+from aloepri.attacks.ima import IMAConfig, run_ima
+from aloepri.attacks.isa import (ISAConfig, attention_cost, hidden_invariants, isa_attention_attack, isa_hidden_attack,
+                                 solve_head_assignment)
+from aloepri.runtime.probe import layer_states
 
 CI = Budget.named("ci")
 
@@ -110,7 +111,8 @@ def test_exhaustive_attention_proposal_decodes_through_a_head_permutation(tiny_e
     first-layer attention of the exact preset (heads permuted by the key, beta = 1) decodes the prompt, the first two
     tokens from an exact search over all vocab^2 pairs. A different prompt's attention decodes to that prompt, not
     this one (the proposal reads the observation)."""
-    from aloepri.attacks.inversion import FirstLayerQK, exhaustive_attention_candidates
+    from aloepri.attacks.isa import exhaustive_attention_candidates
+    from aloepri.runtime.probe import FirstLayerQK
 
     qk = FirstLayerQK.of(tiny_exact.plain_model, 12)
     for seed in (5, 6):
@@ -127,9 +129,9 @@ def test_ima_positive_controls_and_own_keys(tiny_exact):
     data = _random_prompts(6, 24, 96, seed=3)
     cfg = IMAConfig(steps=80, train_tokens=4000, keys=1, lr=3e-3, width=64)
     weak = unprotected_target(tiny_exact.plain_src)
-    res = _ima(weak, data, CI, 0, oracle=False, cfg=cfg)
+    res = run_ima(weak, data, CI, 0, oracle=False, cfg=cfg)
     assert res.ttrsr >= 0.9, res.metrics  # unprotected model: the inversion model works
-    oracle = _ima(tiny_exact, data, CI, 0, oracle=True, cfg=cfg)
+    oracle = run_ima(tiny_exact, data, CI, 0, oracle=True, cfg=cfg)
     assert oracle.ttrsr >= 0.9, oracle.metrics  # victim's key pairs: a fixed linear map is learnt
     assert "ORACLE" in oracle.uses and oracle.budget["keys"] == 1
     assert oracle.budget["train_tokens"] > 0 and "parameters" in oracle.budget["model"]

@@ -7,7 +7,7 @@ import pytest
 
 import aloepri
 from aloepri.attacks.base import REGISTRY, AttackTarget, Budget, PrivateData
-from aloepri.attacks.inversion import AnchorMapConfig, ISAConfig, isa_anchor_attack
+from aloepri.attacks.isa import AnchorMapConfig, ISAConfig, isa_anchor_attack
 
 CI = Budget.named("ci")
 PLAIN_ANCHORS = [0, 1, 2, 5, 7, 11]  # six known tokens, as a chat template and special ids would give
@@ -78,19 +78,19 @@ def test_isa_anchor_needs_anchors(exact_h):
         isa_anchor_attack(target, _prompts(1, 4, target.vocab_size, 1), CI, cfg=CFG, anchors=_anchors(target, [0]))
 
 
-def test_residual_streams_survive_an_earlier_attention_run(tiny_dir):
+def testresidual_streams_survive_an_earlier_attention_run(tiny_dir):
     """The attention ISA runs the first layer alone with eager attention; transformers 5 then recorded hidden
-    states of that one layer only, forever after, and a state map fitted later failed. _residual_streams reads
+    states of that one layer only, forever after, and a state map fitted later failed. residual_streams reads
     every layer whatever ran before."""
     import torch
 
-    from aloepri.attacks.inversion import _residual_streams, layer_states
+    from aloepri.runtime.probe import layer_states, residual_streams
     from aloepri.runtime.inference import load_plain_model
 
     model = load_plain_model(tiny_dir("llama"), torch.float64)
     ids = torch.tensor([[3, 5, 7, 9]])
     layer_states(model, 1, input_ids=ids, attentions=True)
-    states = _residual_streams(model, ids)
+    states = residual_streams(model, ids)
     assert len(states) == model.config.num_hidden_layers + 1
     full = model(input_ids=ids, output_hidden_states=False).logits
     normed = model.model.norm(states[-1])

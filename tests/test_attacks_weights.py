@@ -16,7 +16,7 @@ import aloepri
 from aloepri.attacks import REGISTRY
 from aloepri.attacks.base import AttackTarget, Budget, PrivateData
 from aloepri.attacks.invariant import block_leverages
-from aloepri.attacks.nn import permutation_only_target
+from aloepri.attacks.nearest_neighbour import permutation_only_target
 from aloepri.attacks.report import ablation_params, markdown_table, run_attacks, write_report
 from aloepri.attacks.vma import consistent_sources, signatures, Source, gram
 

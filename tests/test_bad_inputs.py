@@ -546,7 +546,7 @@ def test_binary_key_file_names_the_file(tiny_dir, obfuscated, tmp_path, capsys):
 
 
 def test_key_of_the_right_model_but_wrong_vocabulary_length(tiny_dir, obfuscated, tmp_path, capsys, monkeypatch):
-    import aloepri.runtime.fidelity
+    import aloepri.eval.fidelity
     import aloepri.runtime.inference
 
     def not_reached(*a, **k):

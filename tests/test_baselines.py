@@ -190,7 +190,7 @@ def test_dp_forward_hidden_layer_needs_a_clip_norm(tiny_dir):
         make_method("dp-forward", model, 5.0, layer=1)
     with pytest.raises(ValueError, match="unknown baseline"):
         make_method("sgt", model, 5.0)
-    from aloepri.attacks.inversion import layer_states
+    from aloepri.runtime.probe import layer_states
     from aloepri.baselines.dp_forward import observed_states
 
     data = _tiny_data(model.config.vocab_size, n=2)

@@ -18,7 +18,7 @@ from aloepri.attacks.base import AttackTarget, Budget, PrivateData
 from aloepri.attacks.behavioural import run_behavioural
 from aloepri.cli import main
 from aloepri.eval.fidelity import perplexity_pair
-from aloepri.runtime.fidelity import compare
+from aloepri.eval.fidelity import compare
 from aloepri.runtime.inference import load_obfuscated_model, load_plain_model
 from aloepri.storage.devices import DeviceError, resolve_device
 from test_attacks_weights import IdTokenizer  # the tiny models ship no tokenizer: text metrics need a stand-in

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import aloepri
 from aloepri.eval import humaneval as he
 from aloepri.eval.fidelity import corpus_texts, perplexity_pair, stdlib_docstring_paragraphs
-from aloepri.eval.perturb import normalized_embeddings, perturb_ids, sequence_epsilon, token_distribution
+from aloepri.runtime.perturb import normalized_embeddings, perturb_ids, sequence_epsilon, token_distribution
 from aloepri.eval.privacy import (budget_from_matrices, composed_epsilon, gaussian_epsilon, offline_epsilon,
                                   top_two_singular_values)
 
@@ -195,7 +195,7 @@ def test_stream_perturbation_samples_the_same_mechanism():
     """perturb_stream (the whole traffic, for the frequency attacks) draws from token_distribution: the
     empirical output frequencies of one repeated token match it, a huge budget keeps the stream, candidates
     restrict the outputs."""
-    from aloepri.eval.perturb import perturb_stream
+    from aloepri.runtime.perturb import perturb_stream
 
     emb = normalized_embeddings(torch.randn(12, 4, generator=torch.Generator().manual_seed(2)))
     stream = np.array([3] * 20000 + [5, 7, 3])
@@ -244,7 +244,7 @@ def tok_model(tmp_path_factory):
 
 
 def test_perturbed_chat(tok_model):
-    from aloepri.eval.perturb import TokenPerturbation, content_span, perturbed_chat
+    from aloepri.runtime.perturb import TokenPerturbation, content_span, perturbed_chat
     from aloepri.runtime.inference import PrivateModel
 
     src, server, key = tok_model

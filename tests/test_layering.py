@@ -12,13 +12,16 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "aloepri"
 
 # bottom to top; a module may import from its own layer and the layers below it
 LAYERS = [
-    ["aloepri.storage", "aloepri.models"],  # files on disk: atomic staging, safetensors reading, bundled weights
+    ["aloepri.storage", "aloepri.models", "aloepri.corpora"],  # files on disk: atomic staging, safetensors reading,
+    # bundled weights, public text corpora
     ["aloepri.keyfile"],  # the secret key and its binding to one obfuscated model
     ["aloepri.obfuscation"],  # archs, params, secrets, transforms, block strategies, checkpoint I/O, the pipeline
-    ["aloepri.export", "aloepri.runtime", "aloepri.testing"],  # GGUF export; in-process inference, tokenizers, fidelity; tiny/synthetic models
+    # GGUF export; in-process inference, tokenizers, module view and probes, token perturbation, sensitivity;
+    # tiny/synthetic models
+    ["aloepri.export", "aloepri.runtime", "aloepri.testing"],
     ["aloepri.serving"],  # client SDK, proxy, local server, the shared OpenAI HTTP scaffold
-    ["aloepri.attacks", "aloepri.eval"],  # attack suite; evaluation
-    ["aloepri.tuning", "aloepri.baselines", "aloepri.audit"],  # parameter search; baseline methods; the audit
+    ["aloepri.attacks", "aloepri.eval"],  # attack suite; evaluation: fidelity, privacy budget, parameter search
+    ["aloepri.baselines", "aloepri.audit"],  # baseline methods; the audit
     ["aloepri.cli", "aloepri"],  # the command line and the lazy public API (aloepri/__init__.py)
 ]
 

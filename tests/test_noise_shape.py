@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 import aloepri
-from aloepri.eval import sensitivity as sens
+from aloepri.runtime import sensitivity as sens
 from aloepri.obfuscation import noise
 from aloepri.obfuscation.transforms import _permute_noise_project
 

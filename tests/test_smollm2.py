@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import aloepri
 from aloepri.obfuscation.checkpoint import GGUFCheckpoint
-from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+from aloepri.eval.fidelity import builtin_prompt_ids, compare
 from aloepri.runtime.inference import PrivateModel, load_plain_model, load_tokenizer
 from conftest import smollm2_or_skip
 

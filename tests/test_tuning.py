@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import aloepri
-from aloepri.tuning import Criterion, ResultStore, choose
+from aloepri.eval.tuning import Criterion, ResultStore, choose
 
 
 def _result(top1, kl, ttrsr):
@@ -40,7 +40,7 @@ def test_store_claims_are_exclusive_and_resumable(tmp_path):
 
 
 def test_store_survives_concurrent_writers(tmp_path):
-    code = ("import sys; from aloepri.tuning import ResultStore; s = ResultStore(sys.argv[1]); "
+    code = ("import sys; from aloepri.eval.tuning import ResultStore; s = ResultStore(sys.argv[1]); "
             "[s.put(f'{sys.argv[2]}{i}', {'i': i}) for i in range(30)]")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "r.json"), p]) for p in "xy"]
     assert all(p.wait() == 0 for p in procs)
@@ -62,7 +62,7 @@ def test_tune_needs_an_accuracy_budget(capsys):
 
 
 def test_parse_candidates_fixed_equal_and_errors():
-    from aloepri.tuning import default_candidates, parse_candidates
+    from aloepri.eval.tuning import default_candidates, parse_candidates
 
     base = aloepri.resolve_params("noisy")
     assert [(p.alpha_e, p.alpha_h) for p in parse_candidates(base, "0.1,0.3", "equal")] == [(0.1, 0.1), (0.3, 0.3)]

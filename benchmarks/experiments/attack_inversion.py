@@ -44,7 +44,9 @@ def run(s: Settings, store: ResultStore) -> None:
     from aloepri.attacks.base import AttackTarget, Budget
     from aloepri.attacks.data import private_prompts
     from aloepri.attacks.decipher import sda_attack
-    from aloepri.attacks.inversion import ISAConfig, _ima, isa_attention_attack, isa_hidden_attack, unprotected_target
+    from aloepri.attacks.base import unprotected_target
+    from aloepri.attacks.ima import run_ima
+    from aloepri.attacks.isa import ISAConfig, isa_attention_attack, isa_hidden_attack
 
     from ..lib.targets import obfuscated
     from ..lib.variants import parse_variant
@@ -68,7 +70,7 @@ def run(s: Settings, store: ResultStore) -> None:
         data = private_prompts(target.tokenizer, n=s.prompts, seed=7)
         t0 = time.perf_counter()
         if attack in ("ima_oracle", "ima"):
-            res = _ima(target, data, budget, 0, oracle=attack == "ima_oracle")
+            res = run_ima(target, data, budget, 0, oracle=attack == "ima_oracle")
         elif attack == "sda":
             res = sda_attack(target, data, budget, 0)
         elif attack == "isa_hidden":

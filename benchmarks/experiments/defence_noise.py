@@ -109,13 +109,13 @@ def run(s: Settings, store: ResultStore) -> None:
         base = target.split(CLIENT_STEP, 1)[0]
         factors = None
         if target_params(base).needs_noise_factors:
-            from aloepri.eval.sensitivity import fisher_noise_factors
+            from aloepri.runtime.sensitivity import fisher_noise_factors
 
             factors = fisher_noise_factors(src)
         t = build_target(src, base, s.seed, plain, noise_factors=factors)
         extra = {}
         if CLIENT_STEP in target:
-            from aloepri.attacks.data import corpus, tokenize_texts
+            from aloepri.corpora import corpus, tokenize_texts
 
             n_seqs = int(target.rsplit("-", 1)[1])
             toks = tokenize_texts(t.tokenizer, corpus(DISTILL_CORPUS), max_tokens=n_seqs * s.distill_length)

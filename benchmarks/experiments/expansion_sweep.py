@@ -62,8 +62,9 @@ def run(s: Settings, store: ResultStore) -> None:
     import aloepri
     from aloepri.attacks.base import AttackTarget, Budget
     from aloepri.attacks.data import private_prompts
-    from aloepri.attacks.inversion import ISAConfig, _ima, isa_anchor_attack, isa_attention_attack
-    from aloepri.attacks.nn import run_nn
+    from aloepri.attacks.ima import run_ima
+    from aloepri.attacks.isa import ISAConfig, isa_anchor_attack, isa_attention_attack
+    from aloepri.attacks.nearest_neighbour import run_nn
     from aloepri.obfuscation.secrets import effective_h
 
     from ..lib.targets import obfuscated
@@ -96,7 +97,7 @@ def run(s: Settings, store: ResultStore) -> None:
             runners = {"isa_anchor": lambda t: isa_anchor_attack(t, data, budget, 0, cfg=isa_cfg),
                        "isa_attention": lambda t: isa_attention_attack(t, data, budget, 0, cfg=isa_cfg),
                        "nn": lambda t: run_nn(t, data, budget, 0),
-                       "ima": lambda t: _ima(t, data, budget, 0, oracle=False)}
+                       "ima": lambda t: run_ima(t, data, budget, 0, oracle=False)}
             for attack in todo:
                 key = f"{s.model}/{preset}/h{h_eff}/{attack}/{s.budget}"
                 t0 = time.perf_counter()

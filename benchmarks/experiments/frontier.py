@@ -2,7 +2,7 @@
 
 Every point is one obfuscation of the model (seed 1) measured for fidelity (built-in chat prompts, top-1 agreement
 and KL against the plaintext model) and attacked by the attack suite (private Faker-PII prompts, full-vocabulary
-candidate pools, the budget given); points are keyed by aloepri.tuning.setting_key (model file, parameters, seed,
+candidate pools, the budget given); points are keyed by aloepri.eval.tuning.setting_key (model file, parameters, seed,
 attacks, budget, prompt counts). The plot puts top-1 agreement on x and the highest TTRSR over the attacks on y, one
 series per swept parameter, like the paper's privacy-utility figure.
 
@@ -158,7 +158,7 @@ def run(s: Settings, store: ResultStore) -> None:
     import torch
 
     from aloepri.obfuscation.params import resolve_params
-    from aloepri.tuning import Evaluator, params_summary, setting_key
+    from aloepri.eval.tuning import Evaluator, params_summary, setting_key
 
     torch.set_num_threads(s.threads)
     src = model_path(s.model)
@@ -193,7 +193,7 @@ def model_of(entries: list[dict]) -> str:
 
 
 def done_points(store: ResultStore) -> list[dict]:
-    # "status" is from the rows written by aloepri.tuning.ResultStore (a run in progress was stored as "running")
+    # "status" is from the rows written by aloepri.eval.tuning.ResultStore (a run in progress was stored as "running")
     return [e for e in store.entries().values() if e.get("status", "done") == "done"]
 
 

@@ -111,7 +111,7 @@ def prior_ids(tokenizer, name: str, max_tokens: int, seed: int) -> np.ndarray:
     (60-250 tokens) wrapped in the public chat template. 'same-distribution': the attacker's best case, traffic
     made exactly like the client's (same chat template, same PII templates with other Faker values, the other
     half of python-docs), sharing no document or PII value with it."""
-    from aloepri.attacks.data import corpus, tokenize_texts
+    from aloepri.corpora import corpus, tokenize_texts
 
     if name == "same-distribution":
         return build_stream(tokenizer, max_tokens, seed, faker_seed=seed + 777, client_half=False).ids[:max_tokens]

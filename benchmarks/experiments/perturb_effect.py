@@ -1,4 +1,4 @@
-"""What online token perturbation (aloepri.eval.perturb) does to SmolLM2-135M's answers, and its eps_1.
+"""What online token perturbation (aloepri.runtime.perturb) does to SmolLM2-135M's answers, and its eps_1.
 
 Perturbation is client-side on plaintext ids before the key maps them, and the exact preset reproduces the
 plaintext logits, so the effect on accuracy is measured on the plaintext model (noisy presets add their own,
@@ -28,7 +28,7 @@ def run(s: Settings, store: ResultStore) -> None:
     from transformers import AutoTokenizer
 
     from aloepri.eval.fidelity import BUILTIN_PROMPTS
-    from aloepri.eval.perturb import TokenPerturbation, content_span
+    from aloepri.runtime.perturb import TokenPerturbation, content_span
     from aloepri.runtime.inference import load_plain_model
 
     todo = [eps for eps in s.eps_tok if not store.has(str(float(eps)))]

@@ -1,4 +1,4 @@
-"""What the client's online token perturbation (aloepri.eval.perturb) does to the frequency attacks: TFMA and
+"""What the client's online token perturbation (aloepri.runtime.perturb) does to the frequency attacks: TFMA and
 SDA in the distribution-aware setting (the attacker's prior is held-out text from the client's own
 distribution, the strongest of the paper's three), on SmolLM2-135M's 49,152-token vocabulary.
 
@@ -41,8 +41,8 @@ def run(s: Settings, store: ResultStore) -> None:
     from aloepri.attacks.data import private_prompts
     from aloepri.attacks.decipher import sda_setting_attack
     from aloepri.attacks.frequency import run_tfma
-    from aloepri.attacks.nn import permutation_only_target
-    from aloepri.eval.perturb import TokenPerturbation
+    from aloepri.attacks.nearest_neighbour import permutation_only_target
+    from aloepri.runtime.perturb import TokenPerturbation
 
     todo = [(a, eps) for a in s.attacks for eps in s.eps_tok if not store.has(_key(a, s.setting, eps))]
     if not todo:

@@ -1,7 +1,7 @@
 """Reduced-precision serving of obfuscated models on vLLM (CPU build) and transformers: how much does bf16 / f16
 lose against plaintext float32, and is it more than plaintext bf16 / f16 loses on its own?
 
-Text: the 20 built-in chat prompts (aloepri.runtime.fidelity) each followed by the plaintext float32 model's greedy
+Text: the 20 built-in chat prompts (aloepri.eval.fidelity) each followed by the plaintext float32 model's greedy
 reply on vLLM (up to ``reply_tokens``). Every position of that text is scored teacher-forced: full-vocabulary
 logits, mapped back through the key for obfuscated models, against plaintext float32 on vLLM. Per (model, engine,
 dtype): top1 (argmax equal to plaintext float32's), kl (mean KL(plaintext f32 || model), all and reply
@@ -130,7 +130,7 @@ def run(s: Settings, store: ResultStore) -> None:
 
     import aloepri
     from aloepri.export.gguf import plaintext_reference_dir
-    from aloepri.runtime.fidelity import builtin_prompt_ids
+    from aloepri.eval.fidelity import builtin_prompt_ids
     from aloepri.runtime.tokenizer import load_tokenizer
 
     from ..lib.provenance import REPO

@@ -69,7 +69,7 @@ def build_target(src: Path, target: str, seed: int, plain_model=None,
     ``target_params``) maps the name to ObfuscationParams; ``obfuscate_kwargs`` go to aloepri.obfuscate (e.g.
     noise_factors)."""
     from aloepri.attacks.base import AttackTarget
-    from aloepri.attacks.nn import permutation_only_target
+    from aloepri.attacks.nearest_neighbour import permutation_only_target
 
     from .targets import obfuscated
 
@@ -151,7 +151,7 @@ def run_attack(name: str, target, data, budget, attack: Callable | None = None) 
 def fidelity_entry(plain_model, target) -> dict:
     """Accuracy of the very output attacked: next-token agreement with the plaintext model on the 20 built-in chat
     prompts (as the tuner measures it)."""
-    from aloepri.runtime.fidelity import builtin_prompt_ids, compare
+    from aloepri.eval.fidelity import builtin_prompt_ids, compare
 
     ids = builtin_prompt_ids(target.tokenizer, plain_model.config.vocab_size, 20)
     return compare(plain_model, target.obf_model, target.key, ids, greedy_tokens=0).to_dict()

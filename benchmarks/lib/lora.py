@@ -14,10 +14,10 @@ import torch
 
 def split_corpus(name: str, held_out_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
     """(train, held-out) documents of a public corpus, split by a hash of the document id (stable, no overlap)."""
-    from aloepri.attacks.data import corpus, corpus_ids
+    from aloepri.corpora import corpus, document_ids
 
     train, held = [], []
-    for doc_id, text in zip(corpus_ids(name), corpus(name)):
+    for doc_id, text in zip(document_ids(name), corpus(name)):
         h = int(hashlib.sha256(f"{seed}:{doc_id}".encode()).hexdigest()[:8], 16) / 16 ** 8
         (held if h < held_out_fraction else train).append(text)
     return train, held

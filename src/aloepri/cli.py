@@ -58,7 +58,7 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
-        from .eval.sensitivity import fisher_noise_factors  # the public model on a public corpus
+        from .runtime.sensitivity import fisher_noise_factors  # the public model on a public corpus
 
         factors = fisher_noise_factors(src)
     res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
@@ -74,7 +74,7 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .runtime.fidelity import builtin_prompt_ids, compare
+    from .eval.fidelity import builtin_prompt_ids, compare
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
     from .models import resolve_model
@@ -251,7 +251,7 @@ COMMAND_GROUPS = [
     (("export-gguf",), ".export.gguf", "add_export_commands"),
     (("serve-local", "proxy", "chat"), ".serving.cli", "add_serving_commands"),
     (("eval", "privacy-budget"), ".eval.cli", "add_eval_commands"),
-    (("tune",), ".tuning", "add_tune_commands"),
+    (("tune",), ".eval.tuning", "add_tune_commands"),
     (("attack",), ".attacks.cli", "add_attack_commands"),
     (("baseline",), ".baselines.cli", "add_baseline_commands"),
     (("audit",), ".audit.cli", "add_audit_commands"),

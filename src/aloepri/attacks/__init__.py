@@ -9,14 +9,14 @@ from __future__ import annotations
 import importlib
 
 from .base import REGISTRY, AttackResult, AttackTarget, Budget, PrivateData, register  # noqa: F401
-from . import invariant, nn, vma  # noqa: F401  (registration side effects)
+from . import invariant, nearest_neighbour, vma  # noqa: F401  (registration side effects)
 
 __all__ = ["REGISTRY", "UNAVAILABLE", "AttackResult", "AttackTarget", "Budget", "PrivateData", "register",
-           "invariant", "nn", "vma"]
+           "invariant", "nearest_neighbour", "vma"]
 
 UNAVAILABLE: dict[str, str] = {}  # module -> why it could not be loaded
 
-for _name in ("frequency", "inversion", "decipher", "routing_leak", "behavioural"):
+for _name in ("frequency", "isa", "ima", "decipher", "routing_leak", "behavioural"):
     try:
         importlib.import_module(f"{__name__}.{_name}")
     except ModuleNotFoundError as _err:

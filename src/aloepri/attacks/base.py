@@ -215,3 +215,32 @@ def score_mapping(target: AttackTarget, data: PrivateData, obf_to_plain: np.ndar
     inv = np.argsort(perm)  # obf id -> plain id
     out["vocab_recovery"] = float(np.mean(np.asarray(obf_to_plain) == inv))
     return out
+
+
+def score_attacked_prompts(target: AttackTarget, data: PrivateData, predicted: list[list[int]], idx: Sequence[int],
+                           max_len: int | None = None) -> dict[str, Any]:
+    """Score the attacked prompts only (cut at ``max_len``); text metrics when the public tokenizer loads."""
+    sub = PrivateData([data.texts[i] for i in idx], [data.plain_ids[i][:max_len] for i in idx],
+                      [data.pii_mask[i][:max_len] for i in idx])
+    out = score_predictions(target, sub, predicted, text_metrics=has_tokenizer(target))
+    out["prompts_scored"] = len(idx)
+    return out
+
+
+UNPROTECTED = "none"  # key.params["mechanism"] of a target that is the plaintext model itself (positive control)
+
+
+def unprotected_target(plain_src: str | Path, vocab_size: int | None = None) -> AttackTarget:
+    """The plaintext model served as is (identity permutation, no key matrices): the weak target of the ISA/IMA
+    positive controls."""
+    t = AttackTarget(plain_src, plain_src, None)
+    t.obf_model = t.plain_model  # same object: the server runs the public model
+    n = vocab_size or int(t.plain_model.get_input_embeddings().weight.shape[0])
+    cfg = t.plain_model.config
+    t.key = KeyFile(vocab_permutation=list(range(n)), model_fingerprint="unprotected",
+                    params={"mechanism": UNPROTECTED},
+                    seed=0, h_effective=0, hidden_size=int(cfg.hidden_size), source=str(plain_src),
+                    architecture=type(t.plain_model).__name__)
+    return t
+
+

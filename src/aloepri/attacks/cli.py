@@ -14,7 +14,7 @@ def private_data(tokenizer, n: int, seed: int) -> PrivateData:
     try:
         from .data import private_prompts
     except ImportError:  # pragma: no cover - data.py ships with the package; kept for partial installs
-        from ..runtime.fidelity import BUILTIN_PROMPTS
+        from ..eval.fidelity import BUILTIN_PROMPTS
 
         texts = (BUILTIN_PROMPTS * (n // len(BUILTIN_PROMPTS) + 1))[:n]
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -1,14 +1,10 @@
-"""Victim data for the attack suite: Faker-generated PII prompts, and real public text corpora for the
-frequency attacks (provenance in docs/data.md).
+"""Victim data for the attack suite: Faker-generated PII prompts, and the frequency attacks' settings over the
+public text corpora (provenance in docs/data.md).
 
 PII prompts: realistic templates (emails, support tickets, forms, chat requests) filled with Faker values; every
 PII value's character span is recorded while the text is built, and a token is PII when its offsets overlap one.
 
-Corpora (all read from Debian packages installed offline; ``corpus(name)`` raises a clear error when missing):
-- ``python-docs``      Python 3.11 documentation sources (reStructuredText), package ``python3.11-doc``.
-- ``debian-reference`` the Debian Reference manual (plain text), package ``debian-reference-en``.
-- ``fortunes``         BSD fortune(6) cookie files: general English quotes, jokes, poems, package ``fortunes``
-                       (the computing-themed files are left out so it stays out of the client's domain).
+Corpora: ``aloepri.corpora`` (python-docs, debian-reference, fortunes).
 
 The paper's three frequency-attack settings (Section "Information Leakage of Token Frequency"), with the client's
 private text always a seeded half of ``python-docs`` (split by source file, so no document is in both halves):
@@ -18,16 +14,13 @@ private text always a seeded half of ``python-docs`` (split by source file, so n
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
 import re
-from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from ..corpora import corpus, documents
 from .base import PrivateData
 
 # --- PII prompts ----------------------------------------------------------------------------------------------
@@ -130,98 +123,14 @@ def private_prompts(tokenizer, n: int = 50, seed: int = 0) -> PrivateData:
     return PrivateData(texts, ids, masks)
 
 
-# --- public text corpora --------------------------------------------------------------------------------------
-
-
-class CorpusNotInstalledError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class CorpusSource:
-    name: str
-    debian_package: str
-    path: Path
-    description: str
-
-
-PYTHON_DOCS = Path("/usr/share/doc/python3.11/html/_sources")
-DEBIAN_REFERENCE = Path("/usr/share/debian-reference/debian-reference.en.txt.gz")
-FORTUNES = Path("/usr/share/games/fortunes")
-# fortune files about computing are left out of the zero-knowledge prior (they would leak the client's domain)
-_FORTUNE_SKIP = {"computers", "linux", "linuxcookie", "debian", "perl", "art", "ascii-art", "translate-me"}
-
-SOURCES = {
-    "python-docs": CorpusSource("python-docs", "python3.11-doc", PYTHON_DOCS,
-                                "Python 3.11 documentation, reStructuredText sources, one document per file"),
-    "debian-reference": CorpusSource("debian-reference", "debian-reference-en", DEBIAN_REFERENCE,
-                                     "Debian Reference manual (plain text), one document per section"),
-    "fortunes": CorpusSource("fortunes", "fortunes", FORTUNES,
-                             "BSD fortune cookie files (non-computing themes), one document per file"),
-}
-
-
-def _require(src: CorpusSource) -> None:
-    if not src.path.exists():
-        raise CorpusNotInstalledError(
-            f"corpus {src.name!r} needs the Debian package {src.debian_package} ({src.path} is missing): "
-            f"apt-get install --no-install-recommends {src.debian_package}")
-
-
-def _clean_rst(text: str) -> str:
-    # drop directive/comment lines and role markup, keep the prose and code a reader of the docs sees
-    lines = [ln for ln in text.splitlines()
-             if not re.match(r"\s*\.\. ", ln) and not re.fullmatch(r"[=\-~^*#+\"']{3,}", ln.strip())]
-    text = "\n".join(lines)
-    text = re.sub(r":[\w:+-]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`", r"\1", text)
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
-
-
-@lru_cache(maxsize=None)
-def _load(name: str) -> tuple[tuple[str, str], ...]:
-    """(document id, text) pairs of a corpus, in a fixed order."""
-    if name not in SOURCES:
-        raise ValueError(f"unknown corpus {name!r}; choose from {sorted(SOURCES)}")
-    src = SOURCES[name]
-    _require(src)
-    docs: list[tuple[str, str]] = []
-    if name == "python-docs":
-        for p in sorted(src.path.rglob("*.rst.txt")):
-            if p.name.startswith(("license", "copyright")):
-                continue  # boilerplate legal text, not documentation prose
-            t = _clean_rst(p.read_text(encoding="utf-8", errors="replace"))
-            if t:
-                docs.append((str(p.relative_to(src.path)), t))
-    elif name == "debian-reference":
-        raw = gzip.open(src.path, "rt", encoding="utf-8", errors="replace").read()
-        # sections start with a numbered heading line like "1.2.3. Title"
-        parts = re.split(r"\n(?=\d+(?:\.\d+)+\.\s+\S)", raw)
-        # the table of contents splits into one-line pieces: keep sections with real prose only
-        docs = [(f"section-{i:04d}", t.strip()) for i, t in enumerate(parts) if len(t.split()) >= 20]
-    elif name == "fortunes":
-        for p in sorted(src.path.glob("*.u8")):
-            if p.stem in _FORTUNE_SKIP:
-                continue
-            items = [t.strip() for t in p.read_text(encoding="utf-8", errors="replace").split("\n%\n")]
-            docs.append((p.stem, "\n\n".join(t for t in items if t)))
-    return tuple(docs)
-
-
-def corpus(name: str) -> list[str]:
-    """All documents of a public corpus ('python-docs', 'debian-reference', 'fortunes')."""
-    return [t for _, t in _load(name)]
-
-
-def corpus_ids(name: str) -> list[str]:
-    return [i for i, _ in _load(name)]
-
+# --- the paper's frequency-attack settings over the public corpora ------------------------------------------
 
 SETTINGS = ("zero-knowledge", "domain-aware", "distribution-aware")
 
 
 def _split_python_docs(seed: int) -> tuple[list[str], list[str]]:
     """Seeded split of python-docs by file into (client-private, held-out same-distribution) halves."""
-    docs = _load("python-docs")
+    docs = documents("python-docs")
     # hash of (seed, file) gives a split stable across file-order changes and independent of other RNG use
     key = [int(hashlib.sha256(f"{seed}:{i}".encode()).hexdigest()[:8], 16) for i, _ in docs]
     order = np.argsort(key, kind="stable")
@@ -239,13 +148,3 @@ def frequency_setting(setting: str, seed: int = 0) -> tuple[list[str], list[str]
     prior = {"zero-knowledge": lambda: corpus("fortunes"), "domain-aware": lambda: corpus("debian-reference"),
              "distribution-aware": lambda: held_out}[setting]()
     return prior, private
-
-
-def tokenize_texts(tokenizer, texts: list[str], max_tokens: int | None = None) -> np.ndarray:
-    """Concatenated token ids of ``texts`` (no special tokens), cut at ``max_tokens``."""
-    out: list[int] = []
-    for t in texts:
-        out.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
-        if max_tokens is not None and len(out) >= max_tokens:
-            return np.asarray(out[:max_tokens], dtype=np.int64)
-    return np.asarray(out, dtype=np.int64)

@@ -183,7 +183,7 @@ def sda_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: in
     cfg = cfg or SDAConfig.for_budget(budget)
     vocab = int(target.key.vocab_size) if target.key is not None else target.vocab_size
     if prior_ids is None:
-        from .data import corpus, tokenize_texts
+        from ..corpora import corpus, tokenize_texts
 
         texts = corpus("fortunes") + corpus("debian-reference")
         order = np.random.default_rng(seed).permutation(len(texts))

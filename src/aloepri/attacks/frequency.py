@@ -241,9 +241,10 @@ def frequency_streams(target: AttackTarget, data: PrivateData, setting: str, bud
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
     """(prior plain ids, observed obfuscated ids, their plaintext truth, budget info) for a knowledge setting.
     The observed stream is the client's private corpus followed by the PII prompts (the server sees both).
-    ``perturb`` is the client's online token perturbation (aloepri.eval.perturb), applied to its plaintext ids
+    ``perturb`` is the client's online token perturbation (aloepri.runtime.perturb), applied to its plaintext ids
     before the key; the truth stays the client's real tokens."""
-    from .data import frequency_setting, tokenize_texts
+    from ..corpora import tokenize_texts
+    from .data import frequency_setting
 
     n = tokens if tokens is not None else _budgeted_tokens(budget, FULL_STREAM_TOKENS)
     prior_texts, private_texts = frequency_setting(setting, seed)

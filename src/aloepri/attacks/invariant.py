@@ -25,8 +25,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..runtime.modules import ModelModules
 from .base import AttackResult, AttackTarget, Budget, PrivateData, register_variant
-from .vma import _layer, _w, embed_matrix, match_features, num_layers, spread_layers
+from .vma import _w, embed_matrix, match_features, num_layers, spread_layers
 
 Tensor = torch.Tensor
 
@@ -41,12 +42,12 @@ def gate_invariants(model) -> Tensor:
     """(n, layers): Avg over FFN neurons of e diag(w) W_gate^T, each column scaled to unit RMS over the vocabulary."""
     emb = embed_matrix(model)
     cols = []
-    for i in range(num_layers(model)):
-        layer = _layer(model, i)
-        mlp = layer.mlp
-        if not hasattr(mlp, "gate_proj"):
+    mods = ModelModules(model)
+    for i in range(len(mods)):
+        layer = mods.layer(i)
+        if layer.gate is None:
             continue  # MoE layers have no single gate; their experts are not used here
-        gate = _w(mlp.gate_proj) * _w(layer.post_attention_layernorm)[None, :]
+        gate = _w(layer.gate) * _w(layer.ffn_norm)[None, :]
         cols.append(emb @ gate.mean(dim=0))  # Avg_j (e W)_j = e . mean_j W_j: no (n, ffn) product needed
     if not cols:
         raise ValueError("Gate-IA needs dense FFN layers (gate_proj); this model has none")
@@ -72,12 +73,12 @@ def attn_invariants(model, layers: list[int], sort_within_layer: bool) -> Tensor
     emb = embed_matrix(model)
     nh = int(model.config.num_attention_heads)
     feats = []
+    mods = ModelModules(model)
     for i in layers:
-        layer = _layer(model, i)
-        attn = layer.self_attn
-        if not hasattr(attn, "q_proj") or getattr(attn, "q_norm", None) is not None:
+        layer = mods.layer(i)
+        if layer.q is None or layer.q_norm is not None:
             raise ValueError("Attn-IA needs plain q_proj attention without per-head q norms (not MLA / Qwen3)")
-        wq = _w(attn.q_proj) * _w(layer.input_layernorm)[None, :]
+        wq = _w(layer.q) * _w(layer.attn_norm)[None, :]
         lev = block_leverages(emb @ wq.T, nh).reshape(emb.shape[0], -1)
         lev = lev.clamp_min(1e-30).log()
         feats.append(torch.sort(lev, dim=1).values if sort_within_layer else lev)

@@ -37,6 +37,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from ..obfuscation.routing import expert_orders, router_module_names, routing_decisions
+from ..runtime.probe import forward_hooks
 from ..storage.devices import model_device
 from .base import AttackResult, AttackTarget, Budget, PrivateData, register_variant, score_predictions
 
@@ -76,19 +77,15 @@ def candidate_routing(model: Any, prefix: Sequence[int], candidates: np.ndarray,
         b = len(cand)
         ids = torch.cat([torch.tensor(list(prefix), dtype=torch.long, device=dev).expand(b, -1), cand[:, None],
                          torch.tensor(list(suffix), dtype=torch.long, device=dev).expand(b, -1)], dim=1)
-        hooks = []
-        for layer, name in names.items():
-            def hook(_mod, _inp, out, layer=layer, b=b):
-                logits = out[0].reshape(b, n, -1)[:, j].float()  # routers return (logits, weights, indices)
-                idx = out[2].reshape(b, n, -1)[:, j:]
-                sets[layer].append(torch.sort(idx, dim=-1).values)
-                logps[layer].append(torch.log_softmax(logits, dim=-1))
-            hooks.append(modules[name].register_forward_hook(hook))
-        try:
+
+        def record(layer, out, b=b):  # routers return (logits, weights, indices)
+            logits = out[0].reshape(b, n, -1)[:, j].float()
+            idx = out[2].reshape(b, n, -1)[:, j:]
+            sets[layer].append(torch.sort(idx, dim=-1).values)
+            logps[layer].append(torch.log_softmax(logits, dim=-1))
+
+        with forward_hooks(((layer, modules[name]) for layer, name in names.items()), record):
             model(ids, use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
     return ({layer: torch.cat(v).cpu().numpy() for layer, v in sets.items()},
             {layer: torch.cat(v).cpu().numpy() for layer, v in logps.items()})
 

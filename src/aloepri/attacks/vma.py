@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..runtime.modules import ModelModules
 from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_mapping
 
 Tensor = torch.Tensor
@@ -40,45 +41,36 @@ Tensor = torch.Tensor
 # --- reading weights from a Hugging Face causal LM (plain or obfuscated: same layout) ---------------------------
 
 
-def _inner(model):
-    return getattr(model, "model", model)
-
-
 def _w(module) -> Tensor:
     return module.weight.detach().to(torch.float32)
 
 
 def embed_matrix(model) -> Tensor:
-    return _w(model.get_input_embeddings())
+    return _w(ModelModules(model).embed)
 
 
 def head_matrix(model) -> Tensor:
     """Head rows with the final RMSNorm weight fused (what multiplies the normalised last hidden state)."""
-    return _w(model.get_output_embeddings()) * _w(_inner(model).norm)[None, :]
+    mods = ModelModules(model)
+    return _w(mods.head) * _w(mods.final_norm)[None, :]
 
 
 def num_layers(model) -> int:
-    return len(_inner(model).layers)
-
-
-def _layer(model, i: int):
-    return _inner(model).layers[i]
+    return len(ModelModules(model))
 
 
 def mlp_readers(model, i: int) -> dict[str, Tensor]:
     """Dense FFN weights of layer i, RMSNorm weight fused into the readers: gate/up (ffn, width), down (width, ffn),
     and the MoE router (experts, width) when the layer has one. Empty for layers without them."""
-    layer = _layer(model, i)
-    norm = _w(layer.post_attention_layernorm)
-    mlp = layer.mlp
+    layer = ModelModules(model).layer(i)
+    norm = _w(layer.ffn_norm)
     out: dict[str, Tensor] = {}
-    if hasattr(mlp, "gate_proj"):
-        out["gate"] = _w(mlp.gate_proj) * norm[None, :]
-        out["up"] = _w(mlp.up_proj) * norm[None, :]
-        out["down"] = _w(mlp.down_proj)
-    router = getattr(mlp, "gate", None)
-    if router is not None and hasattr(router, "weight"):
-        out["router"] = router.weight.detach().to(torch.float32) * norm[None, :]
+    if layer.gate is not None:
+        out["gate"] = _w(layer.gate) * norm[None, :]
+        out["up"] = _w(layer.up) * norm[None, :]
+        out["down"] = _w(layer.down)
+    if layer.router is not None:
+        out["router"] = _w(layer.router) * norm[None, :]
     return out
 
 
@@ -86,15 +78,14 @@ def qk_bilinear(model, i: int) -> Tensor | None:
     """M = sum over query heads h of Wq_h^T Wk_kv(h) (width x width), norm fused: the attention score of two
     tokens at RoPE offset 0 is x M y^T. None when the layer has per-head q/k norms (Qwen3), which make it
     non-bilinear."""
-    layer = _layer(model, i)
-    attn = layer.self_attn
-    if not hasattr(attn, "q_proj") or getattr(attn, "q_norm", None) is not None:
+    layer = ModelModules(model).layer(i)
+    if layer.q is None or layer.q_norm is not None:
         return None
     cfg = model.config
     nh, nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    norm = _w(layer.input_layernorm)
-    wq = _w(attn.q_proj) * norm[None, :]
-    wk = _w(attn.k_proj) * norm[None, :]
+    norm = _w(layer.attn_norm)
+    wq = _w(layer.q) * norm[None, :]
+    wk = _w(layer.k) * norm[None, :]
     dh = wq.shape[0] // nh
     wk_rep = wk.reshape(nkv, dh, -1).repeat_interleave(nh // nkv, dim=0).reshape(nh * dh, -1)
     return wq.T @ wk_rep

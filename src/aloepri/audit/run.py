@@ -198,8 +198,7 @@ def private_prompts(target, n: int, seed: int, has_tok: bool):
 
 
 def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[str, Any]:
-    from ..eval.fidelity import fidelity_report
-    from ..runtime.fidelity import builtin_prompt_ids, compare
+    from ..eval.fidelity import builtin_prompt_ids, compare, fidelity_report
 
     n_prompts, greedy, corpus_n = FIDELITY_BUDGETS[budget]
     tok = target.tokenizer if has_tok else None
@@ -216,7 +215,7 @@ def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[s
 
 
 def _not_installed(err: BaseException) -> bool:
-    from ..attacks.data import CorpusNotInstalledError
+    from ..corpora import CorpusNotInstalledError
 
     return isinstance(err, (CorpusNotInstalledError, ImportError))
 

@@ -19,7 +19,7 @@ sensitivity is unbounded, so that configuration has no DP guarantee; we reproduc
 Attacks (the server sees the noisy states and knows the mechanism and sigma):
 - ``nn``: nearest plaintext state of a single token (at layer 0: the embedding table) to each noisy row,
   Euclidean, nothing fitted.
-- ``ima``: the project's learned inversion (aloepri.attacks.inversion.train_inversion_model, the paper's IMA
+- ``ima``: the project's learned inversion (aloepri.attacks.ima.train_inversion_model, the paper's IMA
   after Kugler et al.): trained on the attacker's own public corpus passed through the same public mechanism
   with its own noise, then applied to the victim's noisy states.
 """
@@ -32,6 +32,8 @@ from typing import Iterator
 
 import torch
 
+from ..runtime.modules import ModelModules
+from ..runtime.probe import batched_states, forward_hooks, layer_states, module_output
 from .token_substitution import _check_eps, fresh_seed
 
 
@@ -130,19 +132,6 @@ class DPForward:
                 "calibration": "analytic Gaussian (Balle & Wang 2018), i.i.d. entries", "guarantee": self.guarantee}
 
 
-def _inner(model):
-    from ..attacks.inversion import _inner as inner
-
-    return inner(model)
-
-
-def _state_module(model, layer: int):
-    inner = _inner(model)
-    if layer > len(inner.layers):
-        raise ValueError(f"layer {layer} out of range: the model has {len(inner.layers)} decoder layers")
-    return inner.embed_tokens if layer == 0 else inner.layers[layer - 1]
-
-
 @contextmanager
 def noisy_prefill(model, mech: DPForward, seed: int | None = None) -> Iterator[dict]:
     """Within the block, every forward pass over more than one position (a prompt: prefill) has its states after
@@ -152,45 +141,28 @@ def noisy_prefill(model, mech: DPForward, seed: int | None = None) -> Iterator[d
     g = torch.Generator().manual_seed(fresh_seed() if seed is None else int(seed))
     stats = {"calls": 0}
 
-    def hook(_mod, _inp, out):
-        h = out[0] if isinstance(out, tuple) else out
+    def privatize(_name, out):
+        h = module_output(out)
         if h.shape[-2] <= 1:
             return None
         stats["calls"] += 1
         noisy = mech.privatize(h, g)
         return (noisy, *out[1:]) if isinstance(out, tuple) else noisy
 
-    handle = _state_module(model, mech.layer).register_forward_hook(hook)
-    try:
+    with forward_hooks([("state", ModelModules(model).state_module(mech.layer))], privatize):
         yield stats
-    finally:
-        handle.remove()
 
 
 @torch.no_grad()
 def observed_states(model, mech: DPForward, ids_list: list[list[int]], seed: int | None = None
                     ) -> list[torch.Tensor]:
     """What the server receives for each prompt: (n, d) noisy states after ``mech.layer`` layers."""
-    from ..attacks.inversion import layer_states
-
     g = torch.Generator().manual_seed(fresh_seed() if seed is None else int(seed))
     return [mech.privatize(layer_states(model, mech.layer, input_ids=torch.tensor([ids])).float()[0], g)
             for ids in ids_list]
 
 
 # --- attacks -----------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def single_token_states(model, layer: int, batch: int = 4096) -> torch.Tensor:
-    """(vocab, d) state of every token alone after ``layer`` layers (at layer 0: the embedding table)."""
-    from ..attacks.inversion import layer_states
-
-    n = int(model.get_input_embeddings().weight.shape[0])
-    if layer == 0:
-        return model.get_input_embeddings().weight.detach().float()
-    return torch.cat([layer_states(model, layer, input_ids=torch.arange(i, min(n, i + batch)).unsqueeze(1))
-                      .float()[:, 0] for i in range(0, n, batch)])
 
 
 @torch.no_grad()
@@ -205,17 +177,17 @@ def nn_inversion(noisy: list[torch.Tensor], table: torch.Tensor, block: int = 25
 
 def ima_inversion(model, mech: DPForward, noisy: list[torch.Tensor], train_stream, cfg, seed: int
                   ) -> tuple[list[list[int]], dict]:
-    """The project's IMA (aloepri.attacks.inversion) trained on the attacker's corpus privatised by the same
+    """The project's IMA (aloepri.attacks.ima) trained on the attacker's corpus privatised by the same
     public mechanism with the attacker's own noise; returns per-position guesses and training facts."""
     import torch.nn.functional as F
 
-    from ..attacks.inversion import _features, train_inversion_model
+    from ..attacks.ima import train_inversion_model
 
     n_chunks = len(train_stream) // cfg.seq_len
     if n_chunks < 2:
         raise ValueError(f"attacker corpus too small: {len(train_stream)} tokens for seq_len {cfg.seq_len}")
     chunks = torch.as_tensor(train_stream[: n_chunks * cfg.seq_len].reshape(n_chunks, cfg.seq_len), dtype=torch.long)
-    clean = _features(model, chunks, mech.layer)
+    clean = batched_states(model, mech.layer, chunks)
     g = torch.Generator().manual_seed(int(seed) + 1)
     views = [mech.privatize(clean, g) for _ in range(max(1, cfg.keys))]  # fresh noise draws, like fresh keys
     plain_emb = model.get_input_embeddings().weight.detach()

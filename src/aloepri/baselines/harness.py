@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .dp_forward import DPForward, ima_inversion, nn_inversion, noisy_prefill, observed_states, single_token_states
+from ..runtime.probe import single_token_states
+from .dp_forward import DPForward, ima_inversion, nn_inversion, noisy_prefill, observed_states
 from .token_substitution import RanText, SanText, TokenSubstitution, fresh_seed
 
 METHODS = ("santext", "rantext", "dp-forward", "dp-forward-paper")
@@ -73,12 +74,12 @@ def privacy(method, model, tokenizer, data, seed: int, budget: str = "small", te
                          "seconds": time.perf_counter() - t0}
         if "ima" in attacks:
             from ..attacks.base import Budget
-            from ..attacks.inversion import IMAConfig, _train_token_stream
+            from ..attacks.ima import IMAConfig, attacker_token_stream
 
             t1 = time.perf_counter()
             cfg = IMAConfig.for_budget(Budget.named(budget), layer=method.layer)
             vocab = int(model.get_input_embeddings().weight.shape[0])
-            stream, provenance = _train_token_stream(SimpleNamespace(tokenizer=tokenizer), cfg.train_tokens, seed,
+            stream, provenance = attacker_token_stream(SimpleNamespace(tokenizer=tokenizer), cfg.train_tokens, seed,
                                                      vocab)
             guesses, facts = ima_inversion(model, method, noisy, stream, cfg, seed)
             out["ima"] = {**_score(tokenizer, data, guesses, text_metrics), **facts, "budget": budget,
@@ -98,8 +99,8 @@ def privacy(method, model, tokenizer, data, seed: int, budget: str = "small", te
 
 def user_content_prompts(tokenizer, n: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(chat-templated ids, positions of the user's text) for the built-in fidelity prompts."""
-    from ..eval.perturb import content_span
-    from ..runtime.fidelity import BUILTIN_PROMPTS
+    from ..runtime.perturb import content_span
+    from ..eval.fidelity import BUILTIN_PROMPTS
 
     out = []
     for p in BUILTIN_PROMPTS[:n] if n else BUILTIN_PROMPTS:
@@ -111,7 +112,7 @@ def user_content_prompts(tokenizer, n: int | None = None) -> list[tuple[list[int
 @torch.no_grad()
 def fidelity(method, model, prompts: Sequence[tuple[list[int], list[int]]], seed: int) -> dict[str, Any]:
     """Top-1 agreement and mean KL(clean || perturbed) of the next-token distribution at every prompt position
-    (the same numbers aloepri.runtime.fidelity.compare reports for an obfuscated model), the agreement counted only from
+    (the same numbers aloepri.eval.fidelity.compare reports for an obfuscated model), the agreement counted only from
     the first perturbed position on, and the token change rate."""
     agree = kl = changed = perturbed_positions = agree_after = 0.0
     n_pos = n_after = 0
@@ -158,7 +159,7 @@ class BaselineRunner:
 
     def complete(self, problem: dict, max_new_tokens: int) -> dict:
         from ..eval.humaneval import INSTRUCTION, _eos_ids, build_prompt_ids, greedy_until
-        from ..eval.perturb import content_span
+        from ..runtime.perturb import content_span
 
         ids, prefill = build_prompt_ids(self.tokenizer, problem)
         chat, span = content_span(self.tokenizer, [{"role": "user", "content": INSTRUCTION.format(prompt=problem["prompt"])}])

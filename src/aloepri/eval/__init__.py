@@ -4,7 +4,7 @@
 - humaneval:        HumanEval pass@1 with sandboxed execution, plaintext vs obfuscated
 - lm_eval_adapter:  lm-evaluation-harness model ``aloepri`` (optional extra ``lm-eval``)
 - privacy:          the paper's RmDP epsilon (Theorem in "Security Analysis")
-- perturb:          online exponential-mechanism token perturbation and its eps_1
+- tuning:           parameter search over attacks and fidelity (``aloepri tune``)
 
 Submodules are imported on use (torch/transformers/lm-eval are heavy).
 """

@@ -58,7 +58,7 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
 
 def cmd_privacy_budget(a: argparse.Namespace) -> int:
     from ..obfuscation.params import resolve_params
-    from .perturb import sequence_epsilon
+    from ..runtime.perturb import sequence_epsilon
     from .privacy import privacy_budget
 
     params = resolve_params(a.preset, a.preset_file, alpha_e=a.alpha_e, alpha_h=a.alpha_h)
@@ -116,6 +116,6 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--alpha-e", type=float, default=None, help="override the preset's alpha_e")
     p.add_argument("--alpha-h", type=float, default=None, help="override the preset's alpha_h")
     p.add_argument("--eps1", type=float, default=None, help="online token-perturbation budget eps_1 (sequence)")
-    p.add_argument("--eps-tok", type=float, default=None, help="per-token budget of aloepri.eval.perturb")
+    p.add_argument("--eps-tok", type=float, default=None, help="per-token budget of aloepri.runtime.perturb")
     p.add_argument("--tokens", type=int, default=None, help="perturbed positions (with --eps-tok)")
     p.set_defaults(func=cmd_privacy_budget)

@@ -1,10 +1,11 @@
-"""Fidelity of an obfuscated model: prompt metrics (aloepri.runtime.fidelity.compare) plus perplexity on real text.
+"""Fidelity of an obfuscated model against its plaintext original: prompt metrics (``compare``: top-1 agreement,
+KL, max logit error, greedy match on the same prompts) and perplexity on real text (``perplexity_pair``).
 
 Perplexity is measured on the same token ids for both models: the plaintext model reads the ids, the
 obfuscated model reads them mapped by the key, and its logits are mapped back before the log-softmax, so the
 two numbers are directly comparable (and equal, up to float rounding, for the exact preset).
 
-Corpus: ``aloepri.attacks.data.corpus(name)`` (real public text from Debian packages, provenance in
+Corpus: ``aloepri.corpora.corpus(name)`` (real public text from Debian packages, provenance in
 docs/data.md), by default ``debian-reference`` (the Debian Reference manual, one document per section, the
 first ``max_tokens`` tokens of each); when that corpus is not installed, the built-in fallback ``stdlib-docstrings``: paragraphs of the docstrings of a
 fixed list of CPython standard-library modules (real English technical prose written by the CPython
@@ -24,8 +25,119 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..runtime.fidelity import BUILTIN_PROMPTS, Fidelity, builtin_prompt_ids, compare, place_models
+from ..corpora import CorpusNotInstalledError, corpus
 from ..keyfile import KeyFile
+from ..storage.devices import model_device, resolve_device
+
+# Built-in prompts for `aloepri verify` and the preset benchmark: varied tasks, short enough for CPU.
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the factorial of n.",
+    "Explain photosynthesis in two sentences.",
+    "Translate 'good morning' into Spanish and German.",
+    "List three prime numbers greater than 20.",
+    "My name is Alice Johnson and I live at 42 Elm Street, Springfield. Summarise this sentence.",
+    "What is 17 multiplied by 23?",
+    "Give me a haiku about the ocean.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Write a short email asking my manager for a day off on Friday.",
+    "Define the word 'ephemeral' and use it in a sentence.",
+    "What are the health benefits of drinking water?",
+    "Name the planets of the solar system in order.",
+    "Suggest a name for a bakery that sells only bread.",
+    "Explain what a hash table is to a ten-year-old.",
+    "My phone number is 555-0142 and my account id is 88321. Remind me of both.",
+    "Who wrote 'Pride and Prejudice'?",
+    "Convert 100 degrees Fahrenheit to Celsius.",
+    "Write a SQL query that counts the rows of a table named users.",
+]
+
+
+@dataclass
+class Fidelity:
+    top1_agreement: float  # fraction of positions where the argmax token agrees
+    mean_kl: float  # mean KL(plain || obfuscated) over positions, nats
+    max_logit_error: float  # max |logit_plain - logit_obf| (obfuscated logits mapped back)
+    greedy_match_rate: float  # fraction of prompts whose greedy continuation is identical
+    positions: int
+    prompts: int
+    greedy_tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def place_models(device, *models) -> "torch.device":
+    """Move ``models`` (in place, as ``nn.Module.to`` does) to ``device``; None: where the first model already is.
+    Returns the device the comparison runs on."""
+    dev = model_device(models[0]) if device is None else resolve_device(device)
+    for m in models:
+        m.to(dev)
+    return dev
+
+
+@torch.no_grad()
+def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[Sequence[int]],
+            greedy_tokens: int = 24, device=None) -> Fidelity:
+    """``obf_model`` against ``plain_model`` on the same plaintext prompts. ``key=None``: the second model takes
+    plaintext ids too (a plaintext model in another dtype or engine, e.g. the float32 floor of a float64 one).
+
+    ``device`` ('cpu', 'cuda', ...): both models are moved there (in place) and run there; None keeps them where
+    they are. The metrics are taken in float64 on that device (element-wise work on one prompt's logits, cheap
+    even where float64 matrix products are slow) and returned as Python numbers."""
+    dev = place_models(device, plain_model, obf_model)
+    encode = key.encode_ids if key is not None else list
+    decode = key.decode_ids if key is not None else list
+    perm = torch.from_numpy(key.permutation).to(dev) if key is not None else None
+    agree = 0
+    kl_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    max_err = torch.zeros((), dtype=torch.float64, device=dev)
+    n_pos = 0
+    greedy_same = 0
+    eos_plain = (key.special_tokens.get("eos_token_id") if key is not None
+                 else plain_model.generation_config.eos_token_id)
+    eos_plain = [eos_plain] if isinstance(eos_plain, int) else eos_plain
+    for ids in prompts_ids:
+        x = torch.tensor([list(ids)], device=dev)
+        xo = torch.tensor([encode(list(ids))], device=dev)
+        lp = plain_model(x).logits[0].double()
+        lo = obf_model(xo).logits[0].double()
+        if perm is not None:
+            lo = lo[:, perm]  # column i = obfuscated logit of plain token i
+        n = min(lp.shape[-1], lo.shape[-1])
+        lp, lo = lp[:, :n], lo[:, :n]
+        agree += int((lp.argmax(-1) == lo.argmax(-1)).sum())
+        kl_sum += F.kl_div(F.log_softmax(lo, -1), F.log_softmax(lp, -1), log_target=True, reduction="sum")
+        max_err = torch.maximum(max_err, (lp - lo).abs().max())
+        n_pos += lp.shape[0]
+        if greedy_tokens:
+            gp = plain_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
+                                      eos_token_id=eos_plain, pad_token_id=(eos_plain or [0])[0])[0, x.shape[1]:].tolist()
+            eo = encode(eos_plain) if eos_plain else None
+            go = obf_model.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens, do_sample=False,
+                                    eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:].tolist()
+            greedy_same += int(decode(go) == gp)
+    return Fidelity(agree / n_pos, float(kl_sum) / n_pos, float(max_err), greedy_same / max(1, len(prompts_ids)),
+                    n_pos, len(prompts_ids), greedy_tokens)
+
+
+def builtin_prompt_ids(tokenizer, vocab_size: int, n: int | None = None, seed: int = 0) -> list[list[int]]:
+    """Chat-templated built-in prompts, or random ids when the model has no tokenizer."""
+    prompts = BUILTIN_PROMPTS[:n] if n else BUILTIN_PROMPTS
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, vocab_size, (16,), generator=g).tolist() for _ in prompts]
+    out = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+# --- perplexity and teacher-forced metrics on real text ------------------------------------------------------
 
 DEFAULT_CORPUS = "debian-reference"
 FALLBACK_CORPUS = "stdlib-docstrings"
@@ -60,24 +172,16 @@ def stdlib_docstring_paragraphs(min_chars: int = 200) -> list[str]:
 
 def corpus_texts(name: str | None = None, n: int | None = None) -> tuple[list[str], str]:
     """(texts, provenance). ``name`` None: 'debian-reference' if installed, else the stdlib-docstrings fallback."""
-    if name in (None, FALLBACK_CORPUS):
-        texts = None
-        if name is None:
-            try:
-                data = importlib.import_module("aloepri.attacks.data")
-            except ImportError:
-                data = None
-            if data is not None:
-                try:
-                    texts = data.corpus(DEFAULT_CORPUS)
-                    prov = f"aloepri.attacks.data.corpus({DEFAULT_CORPUS!r})"
-                except getattr(data, "CorpusNotInstalledError", FileNotFoundError):  # Debian package missing
-                    texts = None
-        if texts is None:
-            texts, prov = stdlib_docstring_paragraphs(), f"{FALLBACK_CORPUS} (CPython {platform.python_version()})"
-    else:
-        texts = importlib.import_module("aloepri.attacks.data").corpus(name)
-        prov = f"aloepri.attacks.data.corpus({name!r})"
+    texts = None
+    if name is None:
+        try:
+            texts, prov = corpus(DEFAULT_CORPUS), f"aloepri.corpora.corpus({DEFAULT_CORPUS!r})"
+        except CorpusNotInstalledError:  # the Debian package is missing: the fallback below
+            texts = None
+    elif name != FALLBACK_CORPUS:
+        texts, prov = corpus(name), f"aloepri.corpora.corpus({name!r})"
+    if texts is None:
+        texts, prov = stdlib_docstring_paragraphs(), f"{FALLBACK_CORPUS} (CPython {platform.python_version()})"
     texts = [t for t in texts if t and t.strip()]
     if not texts:
         raise ValueError(f"corpus {name!r} is empty")
@@ -160,7 +264,6 @@ def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Pat
     cpu; an invalid or absent device is refused before anything is loaded)."""
     from ..runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from ..keyfile import check_key_matches, load_key
-    from ..storage.devices import resolve_device
 
     dev = resolve_device(device)
     key = load_key(key_path)
@@ -171,5 +274,5 @@ def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Pat
     return fidelity_report(plain, obf, key, tok, device=dev, **kwargs)
 
 
-__all__ = ["BUILTIN_PROMPTS", "Perplexity", "compare", "corpus_ids", "corpus_texts", "fidelity_report",
-           "load_and_report", "perplexity_pair", "stdlib_docstring_paragraphs"]
+__all__ = ["BUILTIN_PROMPTS", "Fidelity", "Perplexity", "builtin_prompt_ids", "compare", "corpus_ids", "corpus_texts",
+           "fidelity_report", "load_and_report", "perplexity_pair", "stdlib_docstring_paragraphs"]

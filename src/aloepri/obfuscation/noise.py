@@ -15,7 +15,7 @@ C is the same for every row and depends on public data only, so the shaping carr
 vocabulary permutation (the attacker can compute C too; docs/defences.md discusses what that buys him).
 
 The maths (``shaped_noise_factor``) is pure tensor-in/tensor-out; measuring S needs the public model and a
-corpus, which live in higher layers: ``aloepri.eval.sensitivity.fisher_noise_factors(src)`` computes the factors
+corpus, which live in higher layers: ``aloepri.runtime.sensitivity.fisher_noise_factors(src)`` computes the factors
 that ``obfuscate(..., noise_factors=...)`` takes (the CLI does it for ``--noise-shape fisher``).
 Measured and NOT recommended: at equal accuracy it helps weight matching's victims a little and the behavioural
 attacker more (docs/defences.md).

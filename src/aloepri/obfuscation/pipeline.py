@@ -225,7 +225,7 @@ def obfuscate(
     if not isinstance(params, ObfuscationParams):
         raise ValueError(f"params must be an ObfuscationParams (see resolve_params), got {type(params).__name__}")
     if params.needs_noise_factors != (noise_factors is not None):
-        raise ValueError("noise_shape 'fisher' with noise needs noise_factors=aloepri.eval.sensitivity."
+        raise ValueError("noise_shape 'fisher' with noise needs noise_factors=aloepri.runtime.sensitivity."
                          "fisher_noise_factors(src) (the CLI computes them), and only it takes them")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")

@@ -8,10 +8,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..attacks.data import corpus, tokenize_texts
+from ..corpora import corpus, tokenize_texts
 from ..obfuscation.noise import FISHER_RIDGE, shaped_noise_factor
-from ..runtime.inference import load_plain_model
-from ..runtime.tokenizer import load_hf_tokenizer
+from .inference import load_plain_model
+from .modules import ModelModules
+from .probe import forward_hooks
+from .tokenizer import load_hf_tokenizer
 
 Tensor = torch.Tensor
 
@@ -31,15 +33,15 @@ def calibration_ids(tokenizer, n_seqs: int = CALIBRATION_SEQS, length: int = CAL
 
 def sensitivity_statistics(model, ids: Tensor, batch: int = 4) -> tuple[Tensor, Tensor]:
     """(S_embed, S_head), each (d, d) float64, of a Hugging Face causal LM on ``ids`` (n, L); see module doc."""
-    embed = model.get_input_embeddings()
-    norm = model.model.norm  # final RMSNorm: its output feeds the head
+    mods = ModelModules(model)
+    embed = mods.embed
     d = embed.weight.shape[1]
     s_e = torch.zeros(d, d, dtype=torch.float64)
     s_h = torch.zeros(d, d, dtype=torch.float64)
     seen: list[Tensor] = []
-    hook = norm.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
     n_pos = 0
-    try:
+    # the final norm's output is what the head reads
+    with forward_hooks([("final_norm", mods.final_norm)], lambda _name, out: seen.append(out.detach())):
         for start in range(0, ids.shape[0], batch):
             x = ids[start : start + batch]
             inputs = embed(x).detach().requires_grad_(True)
@@ -53,8 +55,6 @@ def sensitivity_statistics(model, ids: Tensor, batch: int = 4) -> tuple[Tensor, 
             s_h += z.T @ z
             n_pos += g.shape[0]
             model.zero_grad(set_to_none=True)
-    finally:
-        hook.remove()
     return s_e / n_pos, s_h / n_pos
 
 

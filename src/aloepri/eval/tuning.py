@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .obfuscation.params import ObfuscationParams
+from ..obfuscation.params import ObfuscationParams
 
 # Attacks used when none are named: every registered attack that needs no training run (the trained ones, IMA
 # and SDA, are minutes each even at small budgets; name them explicitly to include them). "behavioural" (run both
@@ -124,7 +124,7 @@ class Evaluator:
     _data: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from .attacks import REGISTRY
+        from ..attacks import REGISTRY
 
         self.src = Path(self.src)
         unknown = [a for a in self.attacks if a not in REGISTRY]
@@ -134,9 +134,9 @@ class Evaluator:
     def _prepare(self) -> None:
         if self._plain is not None:
             return
-        from .attacks.data import private_prompts
-        from .runtime.fidelity import builtin_prompt_ids
-        from .runtime.inference import load_plain_model
+        from ..attacks.data import private_prompts
+        from .fidelity import builtin_prompt_ids
+        from ..runtime.inference import load_plain_model
 
         self._plain = load_plain_model(self.src)
         from transformers import AutoTokenizer
@@ -151,10 +151,10 @@ class Evaluator:
         """Obfuscate with ``params``/``seed``, then fidelity and every attack on that output."""
         from transformers import AutoModelForCausalLM
 
-        from .obfuscation.pipeline import obfuscate
-        from .attacks import REGISTRY, AttackTarget, Budget
-        from .runtime.fidelity import compare
-        from .keyfile import load_key
+        from ..obfuscation.pipeline import obfuscate
+        from ..attacks import REGISTRY, AttackTarget, Budget
+        from .fidelity import compare
+        from ..keyfile import load_key
 
         self._prepare()
         t0 = time.perf_counter()
@@ -296,7 +296,7 @@ def add_tune_commands(sub) -> None:
 
 
 def _cmd_tune(a) -> int:
-    from .obfuscation.params import resolve_params
+    from ..obfuscation.params import resolve_params
 
     if a.max_kl is None and a.min_top1 is None:
         raise ValueError("give an accuracy budget: --max-kl and/or --min-top1")
@@ -307,7 +307,7 @@ def _cmd_tune(a) -> int:
         raise ValueError("--alpha-h goes with --alpha-e (the default candidates set both)")
     else:
         candidates = default_candidates(base)
-    from .models import resolve_model
+    from ..models import resolve_model
 
     ev = Evaluator(resolve_model(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
     store = ResultStore(a.results or Path(a.out).with_suffix(".results.json"))

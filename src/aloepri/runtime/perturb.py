@@ -1,4 +1,5 @@
-"""Online token perturbation (the paper's Remark in "Online Inference"), before the secret mapping.
+"""Online token perturbation (the paper's Remark in "Online Inference"): a client-side defence, applied to the
+plaintext ids before the secret mapping.
 
 The client replaces each token x of the private text by y drawn from an exponential mechanism over the
 similarity of *plaintext* embeddings (SANTEXT/RANTEXT style), then maps the result with its key as usual:
@@ -132,10 +133,14 @@ class TokenPerturbation:
                          exclude_ids: Sequence[int] = ()) -> "TokenPerturbation":
         if hasattr(plain_model_or_src, "get_input_embeddings"):
             emb = plain_model_or_src.get_input_embeddings().weight.detach()
-        else:
-            from .privacy import load_vocab_matrices
+        else:  # a checkpoint directory or .gguf file: its embedding only
+            from ..obfuscation.checkpoint import open_checkpoint
 
-            emb = load_vocab_matrices(plain_model_or_src)[0]
+            ck = open_checkpoint(plain_model_or_src)
+            try:
+                emb = ck.get("embed", dtype=torch.float32)
+            finally:
+                ck.close()
         keep = torch.ones(emb.shape[0], dtype=torch.bool)
         keep[list(exclude_ids)] = False
         cand = None if keep.all() else torch.nonzero(keep).flatten()

@@ -1,4 +1,4 @@
-"""State-inversion and learned-inversion attacks: ISA (hidden states, attention scores) and IMA (own keys, oracle).
+"""State-inversion attacks: ISA on hidden states, on attention scores, and through an anchor-fitted map (ours).
 
 ISA (paper Appendix "Potential Threats", after Dong et al. 2025): the server records internal states of the
 victim's obfuscated forward pass and optimises a relaxed plaintext input through the PUBLIC plaintext model until
@@ -30,82 +30,20 @@ published special ids), fit one least-squares map from the obfuscated residual s
 plaintext one over every layer, carry the victim's states through it and invert them like the unprotected model's
 (codebook proposal, direct matching). Every reader of the residual stream decodes it linearly (``P Q = I``), so
 such a map exists at every expansion h (docs/expansion.md measures it).
-
-IMA (after Kugler et al. 2021, the paper's setting): a small transformer (2 layers, d=128) reads obfuscated
-states at a layer (default 0: the embedding output, as the paper) and predicts the plaintext token embedding;
-the guess is its nearest plaintext token over the FULL vocabulary. ``ima`` trains on the attacker's own corpus
-obfuscated with keys it samples itself (``aloepri.obfuscate`` with its own seeds and the public hyperparameters);
-``ima_oracle`` trains on pairs made with the victim's own key, a stronger attacker than the threat model allows.
 """
 from __future__ import annotations
 
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..runtime.modules import ModelModules
+from ..runtime.probe import FirstLayerQK, layer_states, residual_streams
 from ..storage.devices import model_device
-from .base import (AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, register_variant,
-                   score_predictions)
-
-# --- forward passes truncated at a layer ----------------------------------------------------------------------
-
-
-def _inner(model):
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
-        raise TypeError(f"{type(model).__name__}: expected a decoder-only model with .model.layers/.embed_tokens")
-    return inner
-
-
-@contextmanager
-def _first_layers(model, n_layers: int, eager: bool = False):
-    """Run only the first ``n_layers`` decoder layers (the state at a shallow layer does not need the rest)."""
-    inner = _inner(model)
-    full = inner.layers
-    if not 0 <= n_layers <= len(full):
-        raise ValueError(f"layer {n_layers} out of range: the model has {len(full)} decoder layers")
-    old_impl = model.config._attn_implementation
-    inner.layers = torch.nn.ModuleList(list(full)[:n_layers])
-    if eager and old_impl != "eager":
-        model.set_attn_implementation("eager")  # only eager attention returns the probabilities
-    try:
-        yield inner
-    finally:
-        inner.layers = full
-        if eager and old_impl != "eager":
-            model.set_attn_implementation(old_impl)
-
-
-def layer_states(model, layer: int, input_ids: torch.Tensor | None = None,
-                 inputs_embeds: torch.Tensor | None = None, attentions: bool = False):
-    """Residual stream after ``layer`` decoder layers (0 = embedding output), batch-first; with ``attentions``
-    also the attention probabilities of those layers, each (batch, heads, n, n)."""
-    inner = _inner(model)
-    if inputs_embeds is None:
-        inputs_embeds = inner.embed_tokens(input_ids)
-    if layer == 0 and not attentions:
-        return inputs_embeds
-    captured: dict[str, torch.Tensor] = {}
-    with _first_layers(model, layer, eager=attentions) as inner:
-        hook = None
-        if layer > 0:
-            def grab(_mod, _inp, out):
-                captured["h"] = out[0] if isinstance(out, tuple) else out
-
-            hook = inner.layers[layer - 1].register_forward_hook(grab)
-        try:
-            out = inner(inputs_embeds=inputs_embeds, use_cache=False, output_attentions=attentions)
-        finally:
-            if hook is not None:
-                hook.remove()
-    h = captured.get("h", inputs_embeds)
-    return (h, list(out.attentions)) if attentions else h
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_attacked_prompts
 
 
 # --- ISA: invariants and the relaxed optimisation ---------------------------------------------------------------
@@ -236,7 +174,7 @@ def _relax_and_refine(plain_model, n: int, batch_loss: Callable[[torch.Tensor], 
     descent on ``refine_loss`` (default ``batch_loss``). The relaxation only proposes candidates: when the true
     token is not among a position's top-k, the discrete search cannot find it. Given ``candidates`` (n, k) the
     relaxation is skipped and the search runs on them."""
-    emb = _inner(plain_model).embed_tokens.weight.detach()
+    emb = ModelModules(plain_model).embed.weight.detach()
     vocab = emb.shape[0]
     if candidates is not None:
         return _search(emb, candidates, batch_loss, cfg, prefix_loss, refine_loss, relaxed_loss=float("nan"))
@@ -301,8 +239,8 @@ def state_codebook(model, layer: int, anchor_id: int, batch: int = 1024) -> list
     early-layer state is dominated by its own token, so an observed state's nearest entries are a short
     candidate list (measured on SmolLM2-135M, 4 Faker prompts x 32 tokens, unprotected: the true token is among
     the 16 nearest for 100% of positions at layer 1, 91% at layer 2)."""
-    vocab = _inner(model).embed_tokens.weight.shape[0]
-    dev = _inner(model).embed_tokens.weight.device
+    vocab = ModelModules(model).embed.weight.shape[0]
+    dev = ModelModules(model).embed.weight.device
     alone, after = [], []
     with torch.no_grad():
         for i in range(0, vocab, batch):
@@ -327,60 +265,7 @@ def codebook_candidates(h_obs: torch.Tensor, codebook: list[tuple[torch.Tensor, 
         out.append(sim.topk(min(k, unit.shape[0])).indices)
     return torch.stack(out)
 
-
-# --- exhaustive first-layer attention proposal ----------------------------------------------------------------
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-@dataclass
-class FirstLayerQK:
-    """Every vocabulary token's first-layer query and key (before RoPE) and the RoPE tables of n positions.
-
-    The first decoder layer's attention depends only on the tokens (its input is the embedding), so the score of
-    any candidate token at any position is a dot product of two rows of these tables: every one of the vocabulary's
-    tokens can be scored exactly at every position without a forward pass."""
-
-    q: torch.Tensor  # (vocab, heads, head_dim)
-    k: torch.Tensor  # (vocab, kv_heads, head_dim)
-    cos: torch.Tensor  # (n, head_dim)
-    sin: torch.Tensor
-    scaling: float
-
-    @classmethod
-    def of(cls, model, n: int, batch: int = 4096) -> "FirstLayerQK":
-        inner = _inner(model)
-        layer = inner.layers[0]
-        attn = layer.self_attn
-        if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "scaling")):
-            raise TypeError(f"{type(attn).__name__}: the exhaustive attention proposal needs q_proj/k_proj "
-                            "attention (use proposal='relaxed')")
-        cfg = model.config
-        heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-        emb = inner.embed_tokens.weight.detach()
-        qs, ks = [], []
-        with torch.no_grad():
-            for i in range(0, emb.shape[0], batch):
-                x = layer.input_layernorm(emb[i:i + batch].unsqueeze(0))[0]
-                q = attn.q_proj(x).view(x.shape[0], heads, -1)
-                k = attn.k_proj(x).view(x.shape[0], kv_heads, -1)
-                if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
-                    q, k = attn.q_norm(q), attn.k_norm(k)
-                qs.append(q.float())
-                ks.append(k.float())
-            cos, sin = inner.rotary_emb(emb[:1].unsqueeze(0).float(), torch.arange(n).unsqueeze(0))
-        return cls(torch.cat(qs), torch.cat(ks), cos[0].float(), sin[0].float(), float(attn.scaling))
-
-    def rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        return x * self.cos[pos] + _rotate_half(x) * self.sin[pos]
-
-    def group(self) -> torch.Tensor:
-        heads, kv_heads = self.q.shape[1], self.k.shape[1]
-        return torch.arange(heads) // (heads // kv_heads)
-
+# --- exhaustive first-layer attention proposal (tables: runtime.probe.FirstLayerQK) ---------------------------
 
 def _row_cost(logits: torch.Tensor, log_obs_row: torch.Tensor) -> torch.Tensor:
     """logits (C, heads, m) of C candidates for one attention row; log_obs_row (heads, m) observed. Mismatch of
@@ -529,16 +414,6 @@ def _prompts(data: PrivateData, observed: list[list[int]], cfg: ISAConfig) -> li
     return list(range(min(len(observed), cfg.max_prompts)))
 
 
-def _score(target: AttackTarget, data: PrivateData, predicted: list[list[int]], idx: Sequence[int],
-           max_len: int | None = None) -> dict[str, Any]:
-    """Score the attacked prompts only (cut at ``max_len``); text metrics when the public tokenizer loads."""
-    sub = PrivateData([data.texts[i] for i in idx], [data.plain_ids[i][:max_len] for i in idx],
-                      [data.pii_mask[i][:max_len] for i in idx])
-    out = score_predictions(target, sub, predicted, text_metrics=has_tokenizer(target))
-    out["prompts_scored"] = len(idx)
-    return out
-
-
 def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
                       cfg: ISAConfig | None = None,
                       state_map: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AttackResult:
@@ -596,7 +471,7 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
                                       prefix_loss=prefix_loss if cfg.greedy else None, candidates=cands)
         predicted.append(seq)
         losses.append(info["final_loss"])
-    metrics = _score(target, data, predicted, idx, cfg.max_len)
+    metrics = score_attacked_prompts(target, data, predicted, idx, cfg.max_len)
     metrics["mean_final_loss"] = float(np.mean(losses))
     return AttackResult(
         "isa_hidden", metrics["ttrsr"], metrics["piirsr"], metrics,
@@ -628,28 +503,6 @@ class AnchorMapConfig:
         return cfg if not kw else AnchorMapConfig(**{**cfg.__dict__, **kw})
 
 
-def _residual_streams(model, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Residual stream at every layer boundary (embedding output .. last decoder layer's output, before the final
-    norm), each (b, n, D). Read with our own hooks, not ``output_hidden_states``: transformers 5 installs its output
-    recorders once, on the layers present at the first call that asks for outputs, so after a truncated eager run
-    (``layer_states(..., attentions=True)``, the attention ISA) ``hidden_states`` held the embedding and one layer
-    only, and a state map fitted afterwards failed (map error 0.97)."""
-    inner = _inner(model)
-    states: list[torch.Tensor] = []
-
-    def grab(_mod, _inp, out):
-        states.append((out[0] if isinstance(out, tuple) else out).double())
-
-    hooks = [m.register_forward_hook(grab) for m in (inner.embed_tokens, *inner.layers)]  # runs in this order
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return states
-
-
 def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cfg: AnchorMapConfig, seed: int
                   ) -> tuple[torch.Tensor, dict[str, Any]]:
     """W (D, d) with (obfuscated residual state) @ W ~ (plaintext residual state), least squares over every layer
@@ -672,7 +525,7 @@ def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cf
     rows = 0
     for i in range(0, cfg.contexts, cfg.batch):
         sel = pick[i:i + cfg.batch]
-        for ho, hp in zip(_residual_streams(obf_model, obf_ids[sel]), _residual_streams(plain_model, plain_ids[sel])):
+        for ho, hp in zip(residual_streams(obf_model, obf_ids[sel]), residual_streams(plain_model, plain_ids[sel])):
             x, y = ho.reshape(-1, ho.shape[-1]), hp.reshape(-1, hp.shape[-1])
             w = 1.0 / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
             x, y = x * w, y * w
@@ -720,8 +573,8 @@ def isa_anchor_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
             hp = layer_states(target.plain_model, cfg.layer,
                               input_ids=torch.tensor([data.plain_ids[i][: cfg.max_len]], device=dev))[0].double()
             errs.append(float(((to_plain(ho).double() - hp).norm(dim=-1) / hp.norm(dim=-1).clamp_min(1e-12)).mean()))
-        plain_emb = F.normalize(_inner(target.plain_model).embed_tokens.weight.double(), dim=-1)
-        obf_emb = _inner(target.obf_model).embed_tokens.weight.double()
+        plain_emb = F.normalize(ModelModules(target.plain_model).embed.weight.double(), dim=-1)
+        obf_emb = ModelModules(target.obf_model).embed.weight.double()
         # 1024 rows at a time: a (rows x vocabulary) float64 block is 0.4 GB on a 49k vocabulary (1.2 GB on 150k)
         guess = torch.cat([(F.normalize(obf_emb[i:i + 1024] @ W, dim=-1) @ plain_emb.T).argmax(-1)
                            for i in range(0, obf_emb.shape[0], 1024)]).cpu()
@@ -787,7 +640,7 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
                                           prefix_loss=refine_loss if cfg.greedy else None, refine_loss=refine_loss)
         predicted.append(seq)
         losses.append(info["final_loss"])
-    metrics = _score(target, data, predicted, idx, cfg.max_len)
+    metrics = score_attacked_prompts(target, data, predicted, idx, cfg.max_len)
     metrics["mean_final_loss"] = float(np.mean(losses))
     return AttackResult(
         "isa_attention", metrics["ttrsr"], metrics["piirsr"], metrics,
@@ -801,195 +654,6 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
              "victim prompt; head permutation undone by Hungarian matching against the candidate's heads; the "
              "public plaintext model to propose candidates (every vocabulary token scored exactly on the first "
              "layer's attention, or gradient-based relaxation) and to score them; no key, no obfuscated weights")
-
-
-# --- IMA: learned inversion -----------------------------------------------------------------------------------
-
-
-class InversionModel(torch.nn.Module):
-    """Obfuscated states (batch, n, D_in) -> predicted plaintext embeddings (batch, n, d_out): an input projection,
-    learned positions, a small bidirectional transformer encoder (the attacker sees the whole prompt)."""
-
-    def __init__(self, d_in: int, d_out: int, width: int = 128, layers: int = 2, heads: int = 4, max_len: int = 256):
-        super().__init__()
-        self.inp = torch.nn.Sequential(torch.nn.LayerNorm(d_in), torch.nn.Linear(d_in, width))
-        self.pos = torch.nn.Embedding(max_len, width)
-        layer = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
-                                                 norm_first=True)
-        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.out = torch.nn.Linear(width, d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pos = self.pos(torch.arange(x.shape[1], device=x.device)).unsqueeze(0)
-        return self.out(self.enc(self.inp(x) + pos))
-
-
-@dataclass
-class IMAConfig:
-    layer: int = 0  # 0 = embedding output (the paper's IMA inverts obfuscated embeddings)
-    steps: int = 1500
-    batch: int = 16
-    seq_len: int = 48
-    train_tokens: int = 200_000  # attacker corpus size (tokens)
-    keys: int = 2  # attacker-sampled keys (own seeds) in the self-obfuscated variant
-    negatives: int = 2048  # random full-vocabulary negatives per step in the sampled softmax
-    lr: float = 1e-3
-    width: int = 128
-    depth: int = 2
-
-    @classmethod
-    def for_budget(cls, budget: Budget, **kw: Any) -> "IMAConfig":
-        s = budget.scale
-        cfg = cls(steps=max(60, int(3000 * s)), train_tokens=max(5_000, int(400_000 * s)),
-                  keys=max(1, min(3, int(round(4 * s)))))
-        return cfg if not kw else IMAConfig(**{**cfg.__dict__, **kw})
-
-
-UNPROTECTED = "none"  # key.params["mechanism"] of a target that is the plaintext model itself (positive control)
-
-
-def unprotected_target(plain_src: str | Path, vocab_size: int | None = None) -> AttackTarget:
-    """The plaintext model served as is (identity permutation, no key matrices): the weak target of the ISA/IMA
-    positive controls."""
-    from ..keyfile import KeyFile
-
-    t = AttackTarget(plain_src, plain_src, None)
-    t.obf_model = t.plain_model  # same object: the server runs the public model
-    n = vocab_size or int(t.plain_model.get_input_embeddings().weight.shape[0])
-    cfg = t.plain_model.config
-    t.key = KeyFile(vocab_permutation=list(range(n)), model_fingerprint="unprotected",
-                    params={"mechanism": UNPROTECTED},
-                    seed=0, h_effective=0, hidden_size=int(cfg.hidden_size), source=str(plain_src),
-                    architecture=type(t.plain_model).__name__)
-    return t
-
-
-def _train_token_stream(target: AttackTarget, n_tokens: int, seed: int, vocab: int) -> tuple[np.ndarray, str]:
-    """The attacker's public training text as plaintext ids, and where it came from."""
-    try:
-        from .data import corpus, tokenize_texts
-
-        tok = target.tokenizer
-        texts = corpus("fortunes") + corpus("debian-reference")
-        order = np.random.default_rng(seed).permutation(len(texts))
-        ids = tokenize_texts(tok, [texts[i] for i in order], max_tokens=n_tokens)
-        if len(ids) >= min(n_tokens, 1000):
-            return ids, ("fortunes + debian-reference (aloepri.attacks.data.corpus; disjoint from the victim's "
-                         "PII prompts)")
-    except Exception:
-        pass
-    # no tokenizer (tiny test checkpoints) or no corpus installed: Zipf-distributed random ids over the vocabulary
-    rng = np.random.default_rng(seed)
-    ranks = np.arange(1, vocab + 1, dtype=np.float64)
-    p = (1.0 / ranks) / (1.0 / ranks).sum()
-    return rng.permutation(vocab)[rng.choice(vocab, size=n_tokens, p=p)], f"synthetic Zipf ids over {vocab} tokens"
-
-
-def _features(model, ids: torch.Tensor, layer: int, batch: int = 32) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat([layer_states(model, layer, input_ids=ids[i:i + batch]).float()
-                          for i in range(0, len(ids), batch)])
-
-
-def _attacker_views(target: AttackTarget, chunks: torch.Tensor, cfg: IMAConfig, seed: int, oracle: bool,
-                    workdir: Path) -> tuple[list[torch.Tensor], str]:
-    """Training inputs: the attacker's chunks as some obfuscated model sees them, one tensor per key."""
-    params = dict(target.key.params) if target.key is not None else {}
-    if oracle:
-        obf_ids = torch.as_tensor(target.key.permutation)[chunks]  # the victim's key: oracle only
-        return [_features(target.obf_model, obf_ids, cfg.layer)], "oracle pairs from the victim's own key and model"
-    if params.get("mechanism") == UNPROTECTED:
-        return [_features(target.plain_model, chunks, cfg.layer)], "no protection (target is the plaintext model)"
-    from transformers import AutoModelForCausalLM
-
-    from ..keyfile import load_key
-    from ..obfuscation.params import ObfuscationParams
-    from ..obfuscation.pipeline import obfuscate
-
-    p = ObfuscationParams.from_dict(params)
-    views = []
-    for k in range(cfg.keys):
-        own_seed = int(np.random.default_rng([seed, k]).integers(1 << 31))
-        out, key_path = workdir / f"own-{k}", workdir / f"own-{k}.key"
-        obfuscate(target.plain_src, out, key_path, p, seed=own_seed, allow_weak_seed=True, progress=False)
-        own_key = load_key(key_path)
-        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=target.dtype).eval()
-        obf_ids = torch.as_tensor(own_key.permutation)[chunks]
-        views.append(_features(model, obf_ids, cfg.layer))
-        del model
-    return views, (f"{cfg.keys} attacker-sampled keys (aloepri.obfuscate of the public model, its own seeds, the "
-                   "target's public hyperparameters)")
-
-
-def train_inversion_model(views: list[torch.Tensor], chunks: torch.Tensor, plain_emb: torch.Tensor, cfg: IMAConfig,
-                          seed: int) -> tuple[InversionModel, float]:
-    """Fit ``InversionModel`` on (view, plaintext chunk) pairs: sampled-softmax over cosine similarity to the
-    plaintext embedding table (so tokens never seen in training are still reachable at test time)."""
-    gen = torch.Generator().manual_seed(seed)
-    target_emb = F.normalize(plain_emb.float(), dim=-1)
-    model = InversionModel(views[0].shape[-1], plain_emb.shape[1], cfg.width, cfg.depth,
-                           max_len=max(256, chunks.shape[1]))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
-    vocab = plain_emb.shape[0]
-    n_neg = min(cfg.negatives, vocab)
-    loss = torch.tensor(0.0)
-    for step in range(cfg.steps):
-        v = int(torch.randint(len(views), (1,), generator=gen))
-        rows = torch.randint(len(chunks), (cfg.batch,), generator=gen)
-        x, y = views[v][rows], chunks[rows]
-        pred = F.normalize(model(x), dim=-1)  # (b, n, d)
-        cand = torch.unique(torch.cat([y.flatten(), torch.randint(vocab, (n_neg,), generator=gen)]))
-        logits = pred @ target_emb[cand].T / 0.05
-        lookup = torch.full((vocab,), -1, dtype=torch.long)
-        lookup[cand] = torch.arange(len(cand))
-        loss = F.cross_entropy(logits.reshape(-1, len(cand)), lookup[y.flatten()])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    return model.eval(), float(loss.detach())
-
-
-def _ima(target: AttackTarget, data: PrivateData, budget: Budget, seed: int, oracle: bool,
-         cfg: IMAConfig | None = None) -> AttackResult:
-    cfg = cfg or IMAConfig.for_budget(budget)
-    plain_emb = _inner(target.plain_model).embed_tokens.weight.detach()
-    vocab = plain_emb.shape[0]
-    stream, provenance = _train_token_stream(target, cfg.train_tokens, seed, vocab)
-    n_chunks = len(stream) // cfg.seq_len
-    if n_chunks < 2:
-        raise ValueError(f"attacker corpus too small: {len(stream)} tokens for seq_len {cfg.seq_len}")
-    chunks = torch.as_tensor(stream[: n_chunks * cfg.seq_len].reshape(n_chunks, cfg.seq_len), dtype=torch.long)
-    with tempfile.TemporaryDirectory(prefix="aloepri-ima-") as tmp:
-        views, source = _attacker_views(target, chunks, cfg, seed, oracle, Path(tmp))
-    model, final_loss = train_inversion_model(views, chunks, plain_emb, cfg, seed)
-    del views
-    observed = data.observed(target)
-    table = F.normalize(plain_emb.float(), dim=-1)
-    predicted = []
-    with torch.no_grad():
-        for obs in observed:
-            ids = torch.tensor([obs])
-            x = layer_states(target.obf_model, cfg.layer, input_ids=ids).float()
-            pred = F.normalize(model(x)[0], dim=-1)
-            predicted.append((pred @ table.T).argmax(-1).tolist())
-    idx = list(range(len(observed)))
-    metrics = _score(target, data, predicted, idx)
-    metrics["final_train_loss"] = final_loss
-    name = "ima_oracle" if oracle else "ima"
-    n_params = sum(p.numel() for p in model.parameters())
-    return AttackResult(
-        name, metrics["ttrsr"], metrics["piirsr"], metrics,
-        budget={"budget": budget.name, "layer": cfg.layer, "steps": cfg.steps, "batch": cfg.batch,
-                "seq_len": cfg.seq_len, "train_tokens": int(n_chunks * cfg.seq_len), "keys": 1 if oracle else cfg.keys,
-                "model": f"{cfg.depth}-layer encoder, width {cfg.width}, {n_params} parameters",
-                "negatives": cfg.negatives, "train_data": provenance,
-                "candidate_pool": f"full vocabulary ({vocab}), nearest plaintext embedding"},
-        uses=(f"obfuscated states after decoder layer {cfg.layer} (0 = embedding output) of the victim's prompts; "
-              f"training pairs: {source}; the public plaintext model and tokenizer"
-              + ("; ORACLE: the victim's key was used to build training pairs (stronger than the threat model)"
-                 if oracle else "")))
 
 
 @register("isa_hidden", on_device=True)
@@ -1008,13 +672,3 @@ def isa_anchor(target: AttackTarget, data: PrivateData, budget: Budget, seed: in
 def isa_attention(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """ISA on attention scores: invert attention probabilities, head permutation solved by matching."""
     return isa_attention_attack(target, data, budget, seed)
-
-
-ima = register_variant(
-    "ima", _ima,
-    "IMA, the paper's setting: inversion model trained on data the attacker obfuscates with its own keys.",
-    oracle=False)
-ima_oracle = register_variant(
-    "ima_oracle", _ima,
-    "IMA with oracle pairs from the victim's own key (stronger than the threat model; reported separately).",
-    oracle=True)
