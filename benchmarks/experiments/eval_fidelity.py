@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..lib import Experiment, ResultStore, register
 from ..lib.models import model_path
-from ..lib.presets import params_drift
+from ..lib.presets import drift_notes
 
 
 @dataclass(frozen=True)
@@ -60,15 +60,14 @@ def report(store: ResultStore) -> str:
     rows = ["| model | preset | prompts: top-1 | prompts: mean KL | prompts: max logit err | greedy match | "
             "corpus: top-1 | corpus: mean KL | perplexity plain → obfuscated (rel.) |",
             "|---|---|---|---|---|---|---|---|---|"]
-    notes = []
+    drift = []
     for key, e in store.entries().items():
         p, c = e["prompts"], e["corpus"]
         rows.append(f"| {e['model']} | {e['preset']} | {p['top1_agreement']:.3f} | {p['mean_kl']:.4f} | "
                     f"{p['max_logit_error']:.3g} | {p['greedy_match_rate']:.2f} | {c['top1_agreement']:.3f} | "
                     f"{c['mean_kl']:.4f} | {_ppl(c['perplexity'])} |")
-        drift = params_drift(e["preset"], e.get("params"))
-        if drift:
-            notes.append(f"- {e['model']} {e['preset']}: measured with parameters unlike today's preset: {drift}")
+        drift.append((f"{e['model']} {e['preset']}", e["preset"], e.get("params"), {}))
+    notes = drift_notes(drift)
     return "\n".join(rows + ([""] + notes if notes else []))
 
 
