@@ -14,22 +14,20 @@ mean KL(plain float32 || X) in nats and top-1 agreement. X = the plaintext model
 obfuscated model (obfuscated in float32, several keys) in each emulation, its logits mapped back through the key.
 The weight-level diagnosis: the relative Frobenius error fake_quantize adds to the linear weights, plaintext vs
 obfuscated.
-
-    python benchmarks/fp8_fidelity.py --models smollm2 qwen-coder --keys 3
-Results: benchmarks/results/fp8_fidelity.json (resumable: finished entries are kept; --force recomputes).
+One config per model (``python -m benchmarks run fp8_fidelity --config smollm2``); entries ``plain`` and
+``SETTING/keyK`` (resumable).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from ..lib import Experiment, ResultStore, register
+from ..lib.models import model_path
 
-RESULTS = Path(__file__).parent / "results" / "fp8_fidelity.json"
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # obfuscation settings: name -> (preset, overrides)
 SETTINGS = {
@@ -41,12 +39,16 @@ GROUP = 128  # activation quantization group (per token), as the engines' dynami
 
 
 def _quantized_linears(model):
+    import torch
+
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in QUANTIZED]
 
 
-def _fake_quantize_activation(x: torch.Tensor) -> torch.Tensor:
+def _fake_quantize_activation(x):
     """Per token, groups of GROUP channels (a partial last group where the width is not a multiple)."""
+    import torch
+
     from aloepri.obfuscation.fp8 import FP8_DTYPE, FP8_MAX
 
     n = x.shape[-1]
@@ -60,6 +62,8 @@ def _fake_quantize_activation(x: torch.Tensor) -> torch.Tensor:
 
 def emulate(model, mode: str) -> dict:
     """Round ``model`` in place to ``mode`` ('bf16', 'fp8_w', 'fp8_w8a8'); returns the weight-error diagnosis."""
+    import torch
+
     from aloepri.obfuscation.fp8 import fake_quantize
 
     quantized = {id(m.weight) for _, m in _quantized_linears(model)}
@@ -86,16 +90,19 @@ def emulate(model, mode: str) -> dict:
             "weight_rel_error_by_role": {r: sum(v) / len(v) for r, v in sorted(per_role.items())}}
 
 
-@torch.no_grad()
-def reference_log_probs(plain32, ids_list) -> list[torch.Tensor]:
+def reference_log_probs(plain32, ids_list) -> list:
     """float32 log-probabilities of the plaintext model (kept for the whole run: float32 halves their memory)."""
-    return [torch.log_softmax(plain32(torch.tensor([list(ids)])).logits[0].double(), -1).float() for ids in ids_list]
+    import torch
+
+    with torch.no_grad():
+        return [torch.log_softmax(plain32(torch.tensor([list(ids)])).logits[0].double(), -1).float()
+                for ids in ids_list]
 
 
-@torch.no_grad()
-def score(reference: list[torch.Tensor], model, key, ids_list) -> dict:
+def score(reference: list, model, key, ids_list) -> dict:
     """Mean KL(plain float32 || model) and top-1 agreement, teacher-forced; ``key`` maps plaintext ids to the
     model's (None: a plaintext model)."""
+    import torch
     import torch.nn.functional as F
 
     perm = torch.from_numpy(key.permutation) if key is not None else None
@@ -115,12 +122,12 @@ def table(results: dict) -> str:
     modes = ("bf16", "fp8_w", "fp8_w8a8")
     lines = ["| model | weights | bf16 KL | FP8 weights KL | FP8 W8A8 KL | FP8 W8A8 top-1 | FP8 weight error |",
              "|---|---|---|---|---|---|---|"]
-    models = sorted({k.split("/")[0] for k in results})
+    models = sorted({v["model"] for v in results.values()})
     for model in models:
-        plain = results.get(f"{model}/plain")
+        plain = next((v for v in results.values() if v["model"] == model and "setting" not in v), None)
         groups: dict[str, list[dict]] = {}
         for k, v in sorted(results.items()):
-            if k.startswith(model + "/") and k != f"{model}/plain":
+            if v["model"] == model and "setting" in v:
                 groups.setdefault(v["setting"], []).append(v)
         rows = [("plaintext", [plain])] if plain else []
         rows += [(f"{s} ({len(v)} keys)", v) for s, v in groups.items()]
@@ -136,91 +143,95 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["smollm2", "qwen-coder"], choices=["smollm2", "qwen-coder"])
-    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    ap.add_argument("--keys", type=int, default=3, help="obfuscation keys (seeds 1000, 1001, ...) per setting")
-    ap.add_argument("--texts", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("--table", action="store_true", help="print the markdown table of the saved results and exit")
-    ap.add_argument("--results", type=Path, default=RESULTS, help=f"JSON file (default {RESULTS.name})")
-    args = ap.parse_args()
-    if args.table:
-        print(table(json.loads(args.results.read_text())))
-        return
-    torch.set_num_threads(args.threads)
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"
+    settings: tuple[str, ...] = ("exact_h0_outlier4", "exact_h0_outlier0")  # names in SETTINGS
+    keys: int = 3  # obfuscation keys (seeds 1000, 1001, ...) per setting
+    texts: int = 4
+    threads: int = 2
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
 
     import aloepri
     from aloepri.eval.fidelity import corpus_ids, corpus_texts
     from aloepri.keyfile import load_key
-    from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
     from aloepri.runtime.inference import load_plain_model
     from aloepri.runtime.tokenizer import load_hf_tokenizer
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM
 
-    results = json.loads(args.results.read_text()) if args.results.exists() else {}
+    from ..lib import UsageError
+    from ..lib.targets import obfuscated
 
-    def save(k: str, entry: dict) -> None:
-        entry["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        results[k] = entry
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-
+    unknown = [x for x in s.settings if x not in SETTINGS]
+    if unknown:
+        raise UsageError(f"fp8_fidelity: unknown setting(s) {unknown}; settings: {', '.join(SETTINGS)}")
+    jobs = ["plain"] + [f"{x}/key{k}" for x in s.settings for k in range(s.keys)]
+    if all(store.has(j) for j in jobs):
+        return
+    torch.set_num_threads(s.threads)
+    src = model_path(s.model)
     modes = ("float32", "bf16", "fp8_w", "fp8_w8a8")
-    for model in args.models:
-        src = {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}[model]()
-        jobs = [f"{model}/plain"] + [f"{model}/{s}/key{k}" for s in args.settings for k in range(args.keys)]
-        if not args.force and all(j in results for j in jobs):
-            continue
-        tok = load_hf_tokenizer(src)
-        texts, prov = corpus_texts(None, args.texts)
-        ids_list = corpus_ids(tok, texts, 128)
-        plain32 = load_plain_model(src, torch.float32)
-        reference = reference_log_probs(plain32, ids_list)
-        plain_dir = Path(tempfile.mkdtemp(prefix="aloepri-fp8-plain-"))
+    tok = load_hf_tokenizer(src)
+    texts, prov = corpus_texts(None, s.texts)
+    ids_list = corpus_ids(tok, texts, 128)
+    plain32 = load_plain_model(src, torch.float32)
+    reference = reference_log_probs(plain32, ids_list)
+    plain_dir = Path(tempfile.mkdtemp(prefix="aloepri-fp8-plain-"))
+    try:
         # each emulation reloads it (one model in memory at a time); save_pretrained refuses GGUF-loaded models
         save_model(plain32, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
         plain32.config.save_pretrained(plain_dir)
         del plain32
-        common = {"model": model, "source": src.name, "corpus": prov, "texts": len(ids_list), "block": [128, 128],
+        common = {"model": s.model, "source": src.name, "corpus": prov, "texts": len(ids_list), "block": [128, 128],
                   "activation_group": GROUP}
-        if args.force or f"{model}/plain" not in results:
-            entry = dict(common)
-            for mode in modes[1:]:
-                m = AutoModelForCausalLM.from_pretrained(str(plain_dir), dtype=torch.float32).eval()
-                diag = emulate(m, mode)
-                entry[mode] = {**score(reference, m, None, ids_list), **diag}
-                del m
-            save(f"{model}/plain", entry)
-            print(f"{model}/plain: " + ", ".join(f"{m} KL {entry[m]['mean_kl']:.4g}" for m in modes[1:]), flush=True)
-        for k in range(args.keys):  # key-major: an interrupted run has every setting at its first keys
-            for setting in args.settings:
-                preset, overrides = SETTINGS[setting]
-                name = f"{model}/{setting}/key{k}"
-                if name in results and not args.force:
-                    continue
-                work = Path(tempfile.mkdtemp(prefix="aloepri-fp8-"))
-                try:
-                    res = aloepri.obfuscate(src, work / "out", work / "key.json",
-                                            aloepri.resolve_params(preset, **overrides), seed=1000 + k,
-                                            allow_weak_seed=True, progress=False, dtype="float32")
-                    key = load_key(work / "key.json")
+        with torch.no_grad():
+            if not store.has("plain"):
+                entry = dict(common)
+                for mode in modes[1:]:
+                    m = AutoModelForCausalLM.from_pretrained(str(plain_dir), dtype=torch.float32).eval()
+                    diag = emulate(m, mode)
+                    entry[mode] = {**score(reference, m, None, ids_list), **diag}
+                    del m
+                store.put("plain", entry)
+                print(f"{s.model}/plain: " + ", ".join(f"{m} KL {entry[m]['mean_kl']:.4g}" for m in modes[1:]),
+                      flush=True)
+            for k in range(s.keys):  # key-major: an interrupted run has every setting at its first keys
+                for setting in s.settings:
+                    preset, overrides = SETTINGS[setting]
+                    name = f"{setting}/key{k}"
+                    if store.has(name):
+                        continue
+                    target = obfuscated(src, aloepri.resolve_params(preset, **overrides), 1000 + k, dtype="float32")
+                    key = load_key(target.key_path)
+                    hidden = json.loads((target.model_dir / "config.json").read_text())["hidden_size"]
                     entry = {**common, "setting": setting, "preset": preset, "overrides": overrides,
-                             "seed": 1000 + k, "hidden_size": res.hidden_size}
+                             "seed": 1000 + k, "hidden_size": hidden}
                     for mode in modes:
-                        obf = AutoModelForCausalLM.from_pretrained(str(work / "out"), dtype=torch.float32).eval()
+                        obf = AutoModelForCausalLM.from_pretrained(str(target.model_dir), dtype=torch.float32).eval()
                         diag = emulate(obf, mode) if mode != "float32" else {}
                         entry[mode] = {**score(reference, obf, key, ids_list), **diag}
                         del obf
-                finally:
-                    shutil.rmtree(work, ignore_errors=True)
-                save(name, entry)
-                print(f"{name}: " + ", ".join(f"{m} KL {entry[m]['mean_kl']:.4g}" for m in modes), flush=True)
+                    store.put(name, entry)
+                    print(f"{name}: " + ", ".join(f"{m} KL {entry[m]['mean_kl']:.4g}" for m in modes), flush=True)
+    finally:
         shutil.rmtree(plain_dir, ignore_errors=True)
 
 
-if __name__ == "__main__":
-    main()
+def report(store: ResultStore) -> str:
+    return table(store.entries())
+
+
+register(Experiment(
+    name="fp8_fidelity",
+    summary="what emulated FP8 (weights, W8A8) costs the obfuscated model against the plaintext one, per key",
+    settings=Settings,
+    configs={"smollm2": Settings(),
+             "qwen-coder": Settings(model="qwen-coder", keys=2),
+             "smoke": Settings(settings=("exact_h0_outlier4",), keys=1, texts=1)},
+    run=run, report=report, docs=("docs/fp8.md",),
+    notes="smollm2: 6 obfuscations of SmolLM2 and 4 emulations each, tens of minutes on 2 threads",
+))
