@@ -4,45 +4,46 @@ the share of output entries that differ and the largest difference in units of t
 (ulps at the largest entry). For bf16 / fp16 outputs the storage rounding (2^-9 / 2^-12 relative) dwarfs a float32
 product's error (~1e-7 relative), so the two should differ only where float64 lands within 1e-7 of a rounding
 boundary; float32 outputs are shown for comparison.
-
-    python benchmarks/product_rounding.py [--rows 2048] [--d 4096]
-Results: benchmarks/results/product_rounding.json
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
-import torch
-
-RESULTS = Path(__file__).parent / "results" / "product_rounding.json"
+from ..lib import Experiment, ResultStore, register
 
 
-def ulp_gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in units of the dtype's rounding step at the tensor's largest entry (as product_precision.py
+@dataclass(frozen=True)
+class Settings:
+    rows: int = 2048
+    d: int = 4096
+    presets: tuple[str, ...] = ("default", "exact")
+
+
+def ulp_gap(a, b) -> float:
+    """max |a - b| in units of the dtype's rounding step at the tensor's largest entry (as product_precision
     measures weights): per-entry steps would make a near-zero entry, where cancellation leaves only rounding, look
     like a large relative change."""
+    import torch
+
     mant = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[a.dtype]
     return float((a.double() - b.double()).abs().max() / (a.double().abs().max() * 2.0 ** -mant))
 
 
-def main() -> None:
+def run(a: Settings, store: ResultStore) -> None:
+    import torch
+
     from aloepri.obfuscation.params import resolve_params
     from aloepri.obfuscation.secrets import ModelShape, SecretSampler
     from aloepri.obfuscation.transforms import transform_reader_input
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=2048)
-    ap.add_argument("--d", type=int, default=4096)
-    ap.add_argument("--presets", nargs="*", default=["default", "exact"])
-    a = ap.parse_args()
-    out = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     gen = torch.Generator().manual_seed(0)
     w = (0.02 * torch.randn((a.rows, a.d), generator=gen)).to(torch.bfloat16)  # a bf16 source, as released
     norm = 1.0 + 0.1 * torch.randn(a.d, generator=gen, dtype=torch.float64)
     for preset in a.presets:
+        if store.has(preset):
+            continue
         params = resolve_params(preset, alpha_e=0.0, alpha_h=0.0)  # noise is irrelevant to a layer product
         shape = ModelShape(d=a.d, vocab_size=1024, num_layers=1, num_heads=32, num_kv_heads=8, head_dim=a.d // 32,
                            intermediate_size=4 * a.d, rope_base=5e5, qk_norm=False)
@@ -57,10 +58,28 @@ def main() -> None:
             differ = float((r64 != r32).float().mean())
             entry[name] = {"share_of_entries_differing": differ, "max_gap_ulps": ulp_gap(r64, r32)}
         entry["float32_relative_error"] = float((p32.double() - p64).abs().max() / p64.abs().max())
-        out[f"{preset}/d{a.d}"] = entry
-        RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+        store.put(preset, entry)
         print(preset, json.dumps(entry), flush=True)
 
 
-if __name__ == "__main__":
-    main()
+
+def report(store: ResultStore) -> str:
+    rows = ["| preset | rows x d (D) | bf16: entries differing / max gap (ulps) | fp16: entries differing / max gap | "
+            "float32: entries differing / max gap | float32 product relative error |",
+            "|---|---|---|---|---|---|"]
+    for preset, e in store.entries().items():
+        cells = [f"{e[dt]['share_of_entries_differing'] * 100:.2f}% / {e[dt]['max_gap_ulps']:.2f}"
+                 for dt in ("bfloat16", "float16", "float32")]
+        rows.append(f"| {preset} | {e['rows']} x {e['d']} ({e['D']}) | " + " | ".join(cells)
+                    + f" | {e['float32_relative_error']:.2g} |")
+    return "\n".join(rows)
+
+
+register(Experiment(
+    name="product_rounding",
+    summary="do float32 weight products change a 16-bit output? one reader product, float64 vs float32",
+    settings=Settings,
+    configs={"d2048": Settings(rows=1024, d=2048), "d4096": Settings(), "smoke": Settings(rows=64, d=256)},
+    run=run, report=report, docs=("docs/performance.md",),
+    notes="d2048: a minute or two (key generation dominates); d4096: several minutes",
+))

@@ -8,21 +8,28 @@ Per model and preset it reports
   error| for X = plaintext float32 (the floor any float32 model pays), the float64-product obfuscation and the
   float32-product obfuscation; top-1 agreement with the float64 plaintext.
 
-    python benchmarks/product_precision.py --models smollm2 --presets exact noisy
-Results: benchmarks/results/product_precision.json (one entry per model/preset; --force recomputes).
+Entries ``model|preset``. The obfuscations are built here, not taken from benchmarks.lib.targets: the product
+dtype is patched per build, which the target cache's key does not (and should not) know about.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from ..lib import Experiment, ResultStore, register
+from ..lib.models import model_path
 
-RESULTS = Path(__file__).parent / "results" / "product_precision.json"
+
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...] = ("qwen-coder", "smollm2")
+    presets: tuple[str, ...] = ("exact", "noisy")
+    texts: int = 8
+    seed: int = 4242
+    threads: int = 2
 
 
 def score(plain64, model, key, ids_list) -> dict:
@@ -56,35 +63,26 @@ def weight_gap(dir_a: Path, dir_b: Path) -> dict:
             "median_ulps_at_tensor_max": vals[len(vals) // 2], "tensors": len(vals)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "qwen-coder"])
-    ap.add_argument("--presets", nargs="+", default=["exact", "noisy"])
-    ap.add_argument("--texts", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=4242)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def run(s: Settings, store: ResultStore) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
 
     import aloepri
     import aloepri.obfuscation.pipeline as pipeline
     from aloepri.eval.fidelity import corpus_ids, corpus_texts
     from aloepri.keyfile import load_key
-    from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
     from aloepri.runtime.inference import load_plain_model
     from aloepri.runtime.tokenizer import load_hf_tokenizer
-    from transformers import AutoModelForCausalLM
 
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    torch.set_num_threads(s.threads)
     chosen = pipeline.product_dtype
-    for model in args.models:
-        src = {"smollm2": smollm2_gguf, "qwen-coder": qwen25_coder_05b_gguf}[model]()
-        todo = [p for p in args.presets if args.force or f"{model}/{p}" not in results]
+    for model in s.models:
+        todo = [p for p in s.presets if not store.has(f"{model}|{p}")]
         if not todo:
             continue
+        src = model_path(model)
         tok = load_hf_tokenizer(src)
-        texts, prov = corpus_texts(None, args.texts)
+        texts, prov = corpus_texts(None, s.texts)
         ids_list = corpus_ids(tok, texts, 128)
         plain64 = load_plain_model(src, torch.float64)
         plain32 = load_plain_model(src, torch.float32)
@@ -93,14 +91,15 @@ def main() -> None:
         del plain32
         for preset in todo:
             work = Path(tempfile.mkdtemp(prefix="aloepri-precision-"))
-            entry = {"model": model, "preset": preset, "seed": args.seed, "corpus": prov, "texts": len(ids_list),
-                     "plaintext_float32": floor}
+            params = aloepri.resolve_params(preset)
+            entry = {"model": model, "preset": preset, "params": params.to_dict(), "seed": s.seed, "corpus": prov,
+                     "texts": len(ids_list), "plaintext_float32": floor}
             try:
                 for label, dt in (("float64_products", torch.float64), ("float32_products", torch.float32)):
                     pipeline.product_dtype = lambda *_, dt=dt: dt
                     t0 = time.perf_counter()
-                    res = aloepri.obfuscate(src, work / label, work / f"{label}.key", aloepri.resolve_params(preset),
-                                            seed=args.seed, allow_weak_seed=True, progress=False, dtype="float32")
+                    aloepri.obfuscate(src, work / label, work / f"{label}.key", params, seed=s.seed,
+                                      allow_weak_seed=True, progress=False, dtype="float32")
                     seconds = time.perf_counter() - t0
                     key = load_key(work / f"{label}.key")
                     obf = AutoModelForCausalLM.from_pretrained(str(work / label), dtype=torch.float32).eval()
@@ -112,10 +111,7 @@ def main() -> None:
             finally:
                 pipeline.product_dtype = chosen
                 shutil.rmtree(work, ignore_errors=True)
-            entry["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            results[f"{model}/{preset}"] = entry
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+            store.put(f"{model}|{preset}", entry)
             f64, f32 = entry["float64_products"], entry["float32_products"]
             print(f"{model}/{preset}: KL vs plain64: plain32 {floor['mean_kl_vs_plain64']:.3g}, "
                   f"f64 products {f64['mean_kl_vs_plain64']:.3g}, f32 products {f32['mean_kl_vs_plain64']:.3g}; "
@@ -124,5 +120,29 @@ def main() -> None:
                   f"({entry['weights']['worst_tensor']})", flush=True)
 
 
-if __name__ == "__main__":
-    main()
+def report(store: ResultStore) -> str:
+    rows = ["| model / preset | plaintext float32 KL / max logit error | float64 products | float32 products | "
+            "top-1 (f64 / f32 products) | weights: max (median) float32 ulps between the two |",
+            "|---|---|---|---|---|---|"]
+
+    def kl_err(x: dict) -> str:  # enough digits to show how little float32 products move a noisy preset
+        kl, err = x["mean_kl_vs_plain64"], x["max_logit_error"]
+        return f"{kl:.3g} / {err:.2g}" if kl < 1e-6 else f"{kl:.7g} / {err:.6g}"
+
+    for e in store.entries().values():
+        f64, f32, w = e["float64_products"], e["float32_products"], e["weights"]
+        rows.append(f"| {e['model']} `{e['preset']}` | {kl_err(e['plaintext_float32'])} | {kl_err(f64)} | "
+                    f"{kl_err(f32)} | {f64['top1_vs_plain64']:.3f} / {f32['top1_vs_plain64']:.3f} | "
+                    f"{w['max_ulps_at_tensor_max']:.1f} ({w['median_ulps_at_tensor_max']:.1f}) |")
+    return "\n".join(rows)
+
+
+register(Experiment(
+    name="product_precision",
+    summary="error budget of float32 weight products: the same key with float64 and float32 products, vs float64 "
+            "plaintext",
+    settings=Settings,
+    configs={"full": Settings(), "smoke": Settings(models=("smollm2",), presets=("exact",), texts=1)},
+    run=run, report=report, docs=("docs/performance.md",),
+    notes="full: 8 obfuscations (both models, 2 presets x 2 product dtypes), minutes on 2 threads",
+))
