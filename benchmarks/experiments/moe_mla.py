@@ -2,28 +2,24 @@
 experts.
 
 No MoE or MLA checkpoint with real weights is available offline here, so fidelity is measured on random-weight
-models of each architecture (tests/tiny_models.py configs, widened: d=256, vocab 2048, 3-4 layers), float32
+models of each architecture (aloepri.testing.tiny configs, widened: d=256, vocab 2048, 3-4 layers), float32
 through the stock classes; real-weight fidelity of the shared machinery is SmolLM2's (docs/design.md).
 
-Usage: python benchmarks/moe_mla.py [--parts fidelity ablation normalize memory] [--threads 1]
-Results: benchmarks/results/moe_mla.json (resumable: finished entries are skipped)
+One config per part: fidelity, ablation, normalize (the paper's router normalisation), memory (many experts).
+The tiny models are built in a temporary directory per run, so their obfuscations are not cached
+(benchmarks.lib.targets keys on the source file's identity, new every run).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_models import MOE_ARCHS, build_tiny  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "moe_mla.json"
+from ..lib import Experiment, ResultStore, UsageError, register
+from ..lib.provenance import REPO
 # noisy+noiseless: every key-matrix mechanism of `noisy` without the embedding/head noise, to separate the
 # (approximate) RMSNorm handling from the noise
 PRESET_VARIANTS = {
@@ -54,15 +50,17 @@ WIDE_PER_ARCH = {  # MLA heads have their own dims; MoE sizes scaled with the wi
 
 
 def _load(path):
+    import torch
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-@torch.no_grad()
 def fidelity(arch: str, preset: str, work: Path, seed: int = 5) -> dict:
+    import torch
+
     import aloepri
-    from aloepri.obfuscation.routing import expert_orders, routing_decisions, to_plain_experts
+    from aloepri.testing.tiny import MOE_ARCHS, build_tiny  # moved there from tests/tiny_models.py
 
     src = work / f"{arch}-src"
     if not src.exists():
@@ -76,11 +74,21 @@ def fidelity(arch: str, preset: str, work: Path, seed: int = 5) -> dict:
     ids = torch.randint(0, 2048, (8, 32), generator=torch.Generator().manual_seed(1))
     oids = torch.tensor([key.encode_ids(r) for r in ids.tolist()])
     perm = torch.from_numpy(key.permutation)
+    with torch.no_grad():
+        return _compare(arch in MOE_ARCHS, plain, obf, ids, oids, perm, key)
+
+
+def _compare(moe: bool, plain, obf, ids, oids, perm, key) -> dict:
+    import numpy as np
+    import torch
+
+    from aloepri.obfuscation.routing import expert_orders, routing_decisions, to_plain_experts
+
     lp = plain(ids).logits
     lo = obf(oids).logits[..., perm]
     kl = torch.nn.functional.kl_div(lo.log_softmax(-1), lp.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     same = [float("nan")]
-    if arch in MOE_ARCHS:
+    if moe:
         rp = routing_decisions(plain, ids)
         ro = to_plain_experts(routing_decisions(obf, oids), expert_orders(key, obf.config))
         same = [float((rp[i] == ro[i]).all(dim=-1).float().mean()) for i in rp]
@@ -90,13 +98,16 @@ def fidelity(arch: str, preset: str, work: Path, seed: int = 5) -> dict:
             "positions": int(ids.numel()), "hidden_size_out": int(obf.config.hidden_size)}
 
 
-@torch.no_grad()
 def normalisation(arch: str, spread: float, work: Path) -> dict:
     """Fraction of (token, layer) expert sets that change with the paper's router normalisation, when the router
     rows' norms have a log-normal spread ``spread`` (0 = the random init's own, nearly equal norms)."""
-    import aloepri
+    import numpy as np
+    import torch
     from safetensors.torch import load_file, save_file
+
+    import aloepri
     from aloepri.obfuscation.routing import expert_orders, routing_decisions, to_plain_experts
+    from aloepri.testing.tiny import build_tiny
 
     src = work / f"{arch}-norm{spread}"
     if not src.exists():
@@ -117,9 +128,10 @@ def normalisation(arch: str, spread: float, work: Path) -> dict:
         plain, obf = _load(src), _load(out)
         ids = torch.randint(0, 2048, (8, 32), generator=torch.Generator().manual_seed(1))
         oids = torch.tensor([key.encode_ids(r) for r in ids.tolist()])
-        rp = routing_decisions(plain, ids)
-        ro = to_plain_experts(routing_decisions(obf, oids), expert_orders(key, obf.config))
-        lp, lo = plain(ids).logits, obf(oids).logits[..., torch.from_numpy(key.permutation)]
+        with torch.no_grad():
+            rp = routing_decisions(plain, ids)
+            ro = to_plain_experts(routing_decisions(obf, oids), expert_orders(key, obf.config))
+            lp, lo = plain(ids).logits, obf(oids).logits[..., torch.from_numpy(key.permutation)]
         res["normalized" if normalize else "exact"] = {
             "changed_expert_sets": float(np.mean([float((rp[i] != ro[i]).any(dim=-1).float().mean()) for i in rp])),
             "top1_agreement": float((lp.argmax(-1) == lo.argmax(-1)).float().mean()),
@@ -127,24 +139,9 @@ def normalisation(arch: str, spread: float, work: Path) -> dict:
     return res
 
 
-MEMORY_CHILD = r"""
-import json, sys, torch
-from pathlib import Path
-import aloepri
-torch.set_num_threads(int(sys.argv[3]))
-def hwm():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-before = hwm()
-r = aloepri.obfuscate(sys.argv[1], Path(sys.argv[2]) / "m", Path(sys.argv[2]) / "k.json", aloepri.resolve_params("noisy"),
-                      seed=1, allow_weak_seed=True, progress=False)
-print(json.dumps({"seconds": r.seconds, "output_mib": r.bytes_written / 2**20, "peak_rss_mib": hwm(), "imports_rss_mib": before}))
-"""
-
-
 def many_expert_checkpoint(directory: Path, layers: int, experts: int, d: int = 512, f: int = 128) -> Path:
     """Qwen3-MoE with many tiny experts, bf16, one shard per layer, written layer by layer."""
+    import torch
     from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig
 
@@ -181,67 +178,118 @@ def many_expert_checkpoint(directory: Path, layers: int, experts: int, d: int = 
 
 
 def memory(layers: int, experts: int, threads: int) -> dict:
+    """Obfuscate (`noisy`) in a fresh process, whose peak RSS is then the obfuscation's own."""
     with tempfile.TemporaryDirectory() as work:
         src = many_expert_checkpoint(Path(work) / "src", layers, experts)
-        proc = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(src), work, str(threads)], capture_output=True,
-                              text=True, check=True)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.obfuscate_child", str(src), work, "noisy",
+                               str(threads)], capture_output=True, text=True, check=True, cwd=REPO)
         r = json.loads(proc.stdout.strip().splitlines()[-1])
     r.update(layers=layers, experts=experts)
     return r
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="*", default=["fidelity", "ablation", "normalize", "memory"])
-    ap.add_argument("--archs", nargs="*", default=["llama", "qwen3", *MOE_ARCHS])
-    ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    res = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+@dataclass(frozen=True)
+class Settings:
+    part: str = "fidelity"  # fidelity (presets and ablations) | normalize | memory
+    archs: tuple[str, ...] = ()  # empty: the dense controls and every MoE/MLA architecture
+    presets: tuple[str, ...] = PRESETS  # fidelity: presets or PRESET_VARIANTS
+    spreads: tuple[float, ...] = (0.0, 0.25, 0.5)  # normalize: router row-norm spreads
+    shapes: tuple[str, ...] = ("L2xE128", "L8xE128", "L8xE32")  # memory: LAYERSxEEXPERTS
+    threads: int = 1
 
-    def save():
-        RESULTS.write_text(json.dumps(res, indent=2) + "\n")
 
+def _shape(text: str) -> tuple[int, int]:
+    layers, sep, experts = text.partition("xE")
+    if not (text.startswith("L") and sep and layers[1:].isdigit() and experts.isdigit()):
+        raise UsageError(f"moe_mla: shape {text!r} is not LAYERSxEEXPERTS (e.g. L8xE128)")
+    return int(layers[1:]), int(experts)
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import torch
+
+    torch.set_num_threads(s.threads)
+    if s.part == "memory":
+        for text in s.shapes:
+            layers, experts = _shape(text)
+            if not store.has(text):
+                store.put(text, r := memory(layers, experts, s.threads))
+                print(f"memory {text}: {r}", flush=True)
+        return
+    if s.part not in ("fidelity", "normalize"):
+        raise UsageError(f"moe_mla: part must be fidelity, normalize or memory, not {s.part!r}")
+    from aloepri.testing.tiny import MOE_ARCHS
+
+    archs = s.archs or ("llama", "qwen3", *MOE_ARCHS)
+    unknown = [a for a in archs if a not in WIDE_PER_ARCH]
+    if unknown:
+        raise UsageError(f"moe_mla: unknown arch(s) {unknown}; archs: {', '.join(WIDE_PER_ARCH)}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if "fidelity" in a.parts:
-            for arch in a.archs:
-                for preset in PRESETS:
-                    k = f"{arch}/{preset}"
-                    if k in res.setdefault("fidelity", {}):
-                        continue
-                    res["fidelity"][k] = r = fidelity(arch, preset, work)
+        for arch in archs:
+            for x in (s.presets if s.part == "fidelity" else s.spreads):
+                k = f"{arch}|{x}"
+                if store.has(k):
+                    continue
+                if s.part == "fidelity":
+                    store.put(k, {"arch": arch, "preset": x, **(r := fidelity(arch, x, work))})
                     print(f"fidelity {k}: top-1 {r['top1_agreement']:.3f} KL {r['mean_kl']:.4f} max err "
                           f"{r['max_logit_error']:.2e} routing {r['routing_agreement']:.3f}", flush=True)
-                    save()
-        if "ablation" in a.parts:
-            for arch in ("llama", "deepseek_v3", "qwen3_moe"):
-                for preset in ABLATION:
-                    k = f"{arch}/{preset}"
-                    if k in res.setdefault("fidelity", {}):
-                        continue
-                    res["fidelity"][k] = r = fidelity(arch, preset, work)
-                    print(f"ablation {k}: top-1 {r['top1_agreement']:.3f} KL {r['mean_kl']:.4f}", flush=True)
-                    save()
-        if "normalize" in a.parts:
-            for arch in ("mixtral", "qwen3_moe", "deepseek_v3"):
-                for spread in (0.0, 0.25, 0.5):
-                    k = f"{arch}/spread{spread}"
-                    if k in res.setdefault("router_normalisation", {}):
-                        continue
-                    res["router_normalisation"][k] = r = normalisation(arch, spread, work)
+                else:
+                    store.put(k, {"arch": arch, "spread": x, **(r := normalisation(arch, x, work))})
                     print(f"normalisation {k}: {r}", flush=True)
-                    save()
-    if "memory" in a.parts:
-        for layers, experts in ((2, 128), (8, 128), (8, 32)):
-            k = f"L{layers}xE{experts}"
-            if k in res.setdefault("memory", {}):
+
+
+def _fidelity_table(entries: list[dict]) -> str:
+    presets = list(dict.fromkeys(e["preset"] for e in entries))
+    rows = ["| arch | " + " | ".join(presets) + " |", "|---" * (len(presets) + 1) + "|"]
+    for arch in dict.fromkeys(e["arch"] for e in entries):
+        cells = []
+        for p in presets:
+            e = next((e for e in entries if e["arch"] == arch and e["preset"] == p), None)
+            if e is None:
+                cells.append("-")
                 continue
-            res["memory"][k] = r = memory(layers, experts, a.threads)
-            print(f"memory {k}: {r}", flush=True)
-            save()
-    print(f"wrote {RESULTS}")
+            cell = f"{e['top1_agreement']:.3f} / {e['mean_kl']:.3f}"
+            r = e["routing_agreement"]
+            cells.append(cell if r is None or r != r else f"{cell}, routing {r:.2f}")  # r != r: NaN, dense
+        rows.append(f"| {arch} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    main()
+def report(store: ResultStore) -> str:
+    entries = list(store.entries().items())
+    fid = [e for _, e in entries if "preset" in e]
+    norm = [e for _, e in entries if "spread" in e]
+    mem = [(k, e) for k, e in entries if "peak_rss_mib" in e]
+    out = []
+    if fid:
+        out.append("Cells: top-1 agreement / mean KL(plain || obf); MoE: fraction of expert sets equal to plaintext's.\n")
+        out.append(_fidelity_table(fid))
+    if norm:
+        out += ["| arch | row-norm spread | expert sets changed, exact variant | changed, normalised | "
+                "top-1 agreement, normalised |", "|---|---|---|---|---|"]
+        out += [f"| {e['arch']} | {e['spread']} | {e['exact']['changed_expert_sets']:.3f} | "
+                f"{e['normalized']['changed_expert_sets']:.3f} | {e['normalized']['top1_agreement']:.3f} |"
+                for e in norm]
+    if mem:
+        out += ["| layers x experts | output | peak RSS (imports alone) | wall |", "|---|---|---|---|"]
+        out += [f"| {e['layers']} x {e['experts']} | {e['output_mib']:.0f} MiB | {e['peak_rss_mib']:.0f} MiB "
+                f"({e['imports_rss_mib']:.0f} MiB) | {e['seconds']:.1f} s |" for _, e in mem]
+    return "\n".join(out)
+
+
+register(Experiment(
+    name="moe_mla",
+    summary="MoE and MLA on random-weight models: fidelity and routing per preset, ablation, router normalisation, "
+            "memory with many experts",
+    settings=Settings,
+    configs={"fidelity": Settings(),
+             "ablation": Settings(archs=("llama", "deepseek_v3", "qwen3_moe"), presets=ABLATION),
+             "normalize": Settings(part="normalize", archs=("mixtral", "qwen3_moe", "deepseek_v3")),
+             "memory": Settings(part="memory"),
+             "smoke": Settings(part="memory", shapes=("L1xE4",))},
+    run=run, report=report, docs=("docs/moe-mla.md",),
+    notes="fidelity: ~30 obfuscations of tiny models, minutes; memory: three checkpoints up to 1.2 GiB, a minute "
+          "or two; fidelity/ablation/normalize need aloepri.testing.tiny",
+))
