@@ -1,12 +1,12 @@
 """Fidelity of exported GGUFs on llama.cpp at reduced precision, obfuscated vs plaintext AT THE SAME BITS.
 
-SmolLM2-135M-Instruct (or --model qwen-coder). Every model is exported by the same exporter
+SmolLM2-135M-Instruct (or qwen-coder). Every model is exported by the same exporter
 (``aloepri.export.gguf.export_gguf``) at each tensor type: the plaintext reference directory (the very f32 weights
 the obfuscation starts from), and the obfuscated server directories (presets ``exact`` and ``noisy``, one key
-per --seeds). All run on llama.cpp (llama-cpp-python, f32 KV cache, --threads threads).
+per seed). All run on llama.cpp (llama-cpp-python, f32 KV cache, ``threads`` threads).
 
-Text: the first --prompts built-in chat prompts, each followed by the plaintext f32 GGUF's greedy reply (up to
---reply-tokens). Every position is scored teacher-forced (full-vocabulary logits, mapped back through the key for
+Text: the first ``prompts`` built-in chat prompts, each followed by the plaintext f32 GGUF's greedy reply (up to
+``reply_tokens``). Every position is scored teacher-forced (full-vocabulary logits, mapped back through the key for
 obfuscated models) against the plaintext f32 GGUF. Reported per (model, type):
 
 - top1 / kl: argmax agreement with, and mean KL(plaintext f32 || model) in nats from, plaintext f32;
@@ -14,42 +14,43 @@ obfuscated models) against the plaintext f32 GGUF. Reported per (model, type):
   ``noisy`` this removes its float32 noise floor);
 - excess = obfuscated at b bits minus plaintext at b bits (kl and self_kl; top1 as a difference).
 
---diagnose runs the same text through transformers in float32 with llama.cpp's q8_0 / q4_0 rounding emulated on
+``diagnose`` runs the same text through transformers in float32 with llama.cpp's q8_0 / q4_0 rounding emulated on
 the weights only, on the matmul inputs only (llama.cpp quantizes activations to q8_0 blocks of 32 before a
 quantized matmul), or both, for plaintext and the first seed's obfuscated models: which rounding costs what.
 
-Results: benchmarks/results/gguf_fidelity.json (resumable: finished entries are kept; --workdir keeps the models)
-Usage: python benchmarks/gguf_fidelity.py [--types f32 f16 q8_0 q4_0] [--presets exact noisy] [--seeds 11]
-       [--prompts 8] [--reply-tokens 64] [--threads 2]
-       [--diagnose q8_0 [--diagnose-seqs 3] [--diagnose-where weights inputs] [--massive-k 4]]
+Needs llama-cpp-python (not a dependency of aloepri): run() stops with one line when it is missing. Obfuscated
+models come from benchmarks.lib.targets (cached by parameters); exports and log-prob caches in ``workdir`` are
+named by the target's cache key, so a relabelled or changed variant never reuses a stale model. The result files
+of earlier runs (one per study, several commands each) are kept as report-only configs.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from ..lib import Experiment, ResultStore, UsageError, register
+from ..lib.models import model_path
+from ..lib.variants import parse_variant
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from variants import parse_variant  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "benchmarks" / "results" / "gguf_fidelity.json"
+STUDY = "study"  # the entry describing the run: engine, text, widths, file sizes, excess over plaintext
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
+def log_softmax(x):
+    import numpy as np
+
     x = x.astype(np.float64)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def compare(ref_lp: np.ndarray, test_lp: np.ndarray) -> dict:
+def compare(ref_lp, test_lp) -> dict:
     """Sums over positions (rows) so that sequences pool: argmax hits and KL(ref || test)."""
+    import numpy as np
+
     kl = (np.exp(ref_lp) * (ref_lp - test_lp)).sum(-1)
     return {"n": int(ref_lp.shape[0]), "top1_hits": int((ref_lp.argmax(-1) == test_lp.argmax(-1)).sum()),
             "kl_sum": float(kl.sum()), "kl_max": float(kl.max())}
@@ -153,7 +154,7 @@ def massive_dims(plain_dir: Path, seqs: list[list[int]], k: int) -> tuple[list[i
     return sorted(int(i) for i in top), float(acc[top].sum() / acc.sum())
 
 
-def emulate(model, seqs: list[list[int]], qtype: str, where: str) -> list[np.ndarray]:
+def emulate(model, seqs: list[list[int]], qtype: str, where: str) -> list:
     """Logits of ``model`` (float32) with llama.cpp's rounding emulated on ``where`` (none, weights, inputs, both)."""
     import torch
 
@@ -180,119 +181,124 @@ def emulate(model, seqs: list[list[int]], qtype: str, where: str) -> list[np.nda
 # ----------------------------------------------------------------------------------------------- the run
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
-    ap.add_argument("--types", nargs="+", default=["f32", "f16", "q8_0", "q4_0"])
-    ap.add_argument("--presets", nargs="+", default=["exact", "noisy"],
-                    help="presets, or LABEL=PRESET:key=value,... variants (benchmarks/variants.py)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[11])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--reply-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workdir", default="/tmp/aloepri-gguf-fid")
-    ap.add_argument("--diagnose", nargs="*", metavar="QTYPE", help="emulated rounding in transformers (q8_0, q4_0)")
-    ap.add_argument("--diagnose-seqs", type=int, default=3, help="--diagnose: the first N sequences only")
-    ap.add_argument("--diagnose-where", nargs="+", default=["weights", "inputs"],
-                    choices=["weights", "inputs", "both"])
-    ap.add_argument("--massive-k", type=int, default=4, help="--diagnose: dimensions kept out of the rotation")
-    ap.add_argument("--kept-norm-max", type=float, default=None,
-                    help="override transforms.KEPT_NORM_WEIGHT_MAX for the models this run obfuscates (give them "
-                         "their own labels: finished models are reused by label)")
-    ap.add_argument("--out", default=str(OUT))
-    a = ap.parse_args()
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"
+    types: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0")
+    presets: tuple[str, ...] = ("exact", "noisy")  # presets, or LABEL=PRESET:field=value,... variants
+    seeds: tuple[int, ...] = (11,)
+    prompts: int = 8
+    reply_tokens: int = 64
+    threads: int = 2
+    workdir: str = "/tmp/aloepri-gguf-fid"  # exports and log-prob caches (named by content, reusable)
+    diagnose: tuple[str, ...] = ()  # emulated rounding in transformers: q8_0, q4_0
+    diagnose_seqs: int = 3  # diagnose: the first N sequences only
+    diagnose_where: tuple[str, ...] = ("weights", "inputs")  # of weights, inputs, both
+    massive_k: int = 4  # diagnose: dimensions kept out of the rotation
+    kept_norm_max: float | None = None  # override transforms.KEPT_NORM_WEIGHT_MAX for this run's obfuscations
 
-    import llama_cpp
+
+def _require_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise UsageError("gguf_fidelity needs llama-cpp-python (`pip install llama-cpp-python`), which is not "
+                         "installed in this environment") from None
+    return llama_cpp
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    llama_cpp = _require_llama_cpp()
+    import numpy as np
 
     import aloepri
     from aloepri.export.gguf import export_gguf, plaintext_reference_dir
-    from aloepri.models import qwen25_coder_05b_gguf, smollm2_gguf
     from aloepri.runtime.fidelity import builtin_prompt_ids
     from aloepri.runtime.tokenizer import load_tokenizer
 
-    if a.kept_norm_max is not None:
+    from ..lib.targets import WORK, obfuscated
+
+    bad = [w for w in s.diagnose_where if w not in ("weights", "inputs", "both")]
+    if bad or any(q not in ("q8_0", "q4_0") for q in s.diagnose):
+        raise UsageError("gguf_fidelity: diagnose takes q8_0/q4_0, diagnose_where weights/inputs/both")
+    try:
+        variants = [parse_variant(v) for v in s.presets]
+    except ValueError as e:
+        raise UsageError(f"gguf_fidelity presets: {e}") from None
+    src = model_path(s.model)
+    targets_root = None
+    if s.kept_norm_max is not None:
         from aloepri.obfuscation import transforms
 
-        transforms.KEPT_NORM_WEIGHT_MAX = a.kept_norm_max
-    src = smollm2_gguf() if a.model == "smollm2" else qwen25_coder_05b_gguf()
-    work = Path(a.workdir) / a.model
+        transforms.KEPT_NORM_WEIGHT_MAX = s.kept_norm_max
+        targets_root = WORK / f"kept-norm-max-{s.kept_norm_max}"  # the target cache does not see this override
+    work = Path(s.workdir) / s.model
     work.mkdir(parents=True, exist_ok=True)
-    out_path = Path(a.out)
-    report = json.loads(out_path.read_text()) if out_path.exists() else {}
-    if report.get("model") not in (None, src.name) or "studies" not in report:
-        report = {"studies": {}}
-    study = report["studies"].setdefault(a.model, {"results": {}})
-    res = study["results"]
+    study: dict = dict((store.get(STUDY) or {}))
+    study.pop("run", None), study.pop("written", None)
 
-    def save():
-        study.update(source=src.name, seeds=sorted(set(study.get("seeds", [])) | set(a.seeds)),
-                     engine=f"llama-cpp-python {llama_cpp.__version__}, f32 KV cache, n_threads {a.threads}",
-                     prompts=a.prompts, reply_tokens=a.reply_tokens)
-        report.update(machine=platform.machine(), date=time.strftime("%Y-%m-%d"),
-                      load_average=os.getloadavg())
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        tmp.replace(out_path)
+    def save_study() -> None:
+        study.update(source=src.name, seeds=list(s.seeds), prompts=s.prompts, reply_tokens=s.reply_tokens,
+                     engine=f"llama-cpp-python {llama_cpp.__version__}, f32 KV cache, n_threads {s.threads}",
+                     machine=platform.machine(), load_average=list(os.getloadavg()))
+        store.put(STUDY, study)
 
     if not (work / "plain" / "config.json").exists():
         plaintext_reference_dir(src, work / "plain")
-    models: dict[str, tuple[Path, object]] = {"plain": (work / "plain", None)}
-    variants = [parse_variant(v) for v in a.presets]
+    # name -> (HF directory, key, the name its exports and caches carry)
+    models: dict[str, tuple[Path, object, str]] = {"plain": (work / "plain", None, "plain")}
     # a label names the parameters it was run with (a preset's meaning can change between versions)
-    study.setdefault("variants", {}).update({label: params.to_dict() for label, params in variants})
-    for preset, params in variants:
-        for seed in a.seeds:
-            d = work / f"{preset}-s{seed}"
-            if not (d / "client.key").exists():
-                t0 = time.monotonic()
-                aloepri.obfuscate(src, d / "server", d / "client.key", params, seed=seed,
-                                  allow_weak_seed=True, progress=False, overwrite=True)
-                print(f"obfuscated {preset} seed {seed} in {time.monotonic() - t0:.0f} s", flush=True)
-            models[f"{preset}-s{seed}"] = (d / "server", aloepri.load_key(d / "client.key"))
-    key0 = next(k for _, k in models.values() if k is not None)
-    study.setdefault("hidden", {}).update(
-        {name: json.loads((d / "config.json").read_text())["hidden_size"] for name, (d, _) in models.items()})
+    study["variants"] = {label: params.to_dict() for label, params in variants}
+    for label, params in variants:
+        for seed in s.seeds:
+            t = obfuscated(src, params, seed, work=targets_root)
+            cache_id = t.cache_key if s.kept_norm_max is None else f"{t.cache_key}-clip{s.kept_norm_max}"
+            models[f"{label}-s{seed}"] = (t.model_dir, aloepri.load_key(t.key_path), cache_id)
+    key0 = next(k for _, k, _ in models.values() if k is not None)
+    study["hidden"] = {name: json.loads((d / "config.json").read_text())["hidden_size"]
+                       for name, (d, _, _) in models.items()}
 
     def llama(path: Path):
-        return llama_cpp.Llama(str(path), n_threads=a.threads, n_threads_batch=a.threads, n_ctx=1024,
+        return llama_cpp.Llama(str(path), n_threads=s.threads, n_threads_batch=s.threads, n_ctx=1024,
                                logits_all=True, type_k=0, type_v=0, verbose=False)
 
     def gguf(name: str, qtype: str) -> Path:
-        g = work / f"{name}-{qtype}.gguf"
+        g = work / f"{models[name][2]}-{qtype}.gguf"
         if not g.exists():
             export_gguf(models[name][0], g, qtype)
         return g
 
     # the text: prompts + plaintext f32 greedy replies (llama.cpp), and the reference log-probs
-    text_file = work / "text.json"
+    text_id = f"text-p{s.prompts}-r{s.reply_tokens}"
+    text_file = work / f"{text_id}.json"
     if not text_file.exists():
         tok = load_tokenizer(key0, src)
-        prompts = builtin_prompt_ids(tok, key0.vocab_size, a.prompts)
+        prompts = builtin_prompt_ids(tok, key0.vocab_size, s.prompts)
         eos = key0.special_tokens["eos_token_id"]
         m = llama(gguf("plain", "f32"))
         seqs = []
         for p in prompts:
             reply = []
             for t in m.generate(p, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-                if t == eos or len(reply) >= a.reply_tokens:
+                if t == eos or len(reply) >= s.reply_tokens:
                     break
                 reply.append(int(t))
             seqs.append([int(x) for x in p] + reply)
         del m
         text_file.write_text(json.dumps({"seqs": seqs, "prompt_lens": [len(p) for p in prompts]}))
     seqs = json.loads(text_file.read_text())["seqs"]
-    study["positions"] = sum(len(s) - 1 for s in seqs)
+    study["positions"] = sum(len(x) - 1 for x in seqs)
 
-    def cached_logprobs(name: str, qtype: str) -> list[np.ndarray]:
+    def cached_logprobs(name: str, qtype: str) -> list:
         """Log-probs (plaintext vocabulary order) predicting seq[1:], cached as float32 .npy."""
-        files = [work / "lp" / f"{name}-{qtype}-{i}.npy" for i in range(len(seqs))]
+        files = [work / "lp" / f"{text_id}-{models[name][2]}-{qtype}-{i}.npy" for i in range(len(seqs))]
         if not all(f.exists() for f in files):
             (work / "lp").mkdir(exist_ok=True)
             key = models[name][1]
             g = gguf(name, qtype)
             m = llama(g)
-            for f, s in zip(files, seqs):
-                ids = s if key is None else key.encode_ids(s)
+            for f, x in zip(files, seqs):
+                ids = x if key is None else key.encode_ids(x)
                 m.reset()
                 m.eval(ids)
                 lg = np.array(m.scores[: len(ids) - 1], dtype=np.float64)
@@ -306,71 +312,116 @@ def main() -> None:
         return [np.load(f).astype(np.float64) for f in files]
 
     ref = cached_logprobs("plain", "f32")
-    for qtype in a.types:
+    for qtype in s.types:
         for name in models:
             k = f"llamacpp/{name}/{qtype}"
-            if k in res:
+            if store.has(k):
                 continue
             t0 = time.monotonic()
             lp = cached_logprobs(name, qtype)
             own = cached_logprobs(name, "f32")
-            res[k] = {**pooled([compare(r, x) for r, x in zip(ref, lp)]),
-                      **{f"self_{kk}": v for kk, v in pooled([compare(r, x) for r, x in zip(own, lp)]).items()
-                         if kk != "positions"},
-                      "seconds": round(time.monotonic() - t0, 1)}
-            print(k, json.dumps(res[k]), flush=True)
-            save()
+            r = {**pooled([compare(a, x) for a, x in zip(ref, lp)]),
+                 **{f"self_{kk}": v for kk, v in pooled([compare(a, x) for a, x in zip(own, lp)]).items()
+                    if kk != "positions"},
+                 "seconds": round(time.monotonic() - t0, 1)}
+            store.put(k, r)
+            print(k, json.dumps(r), flush=True)
+            save_study()
 
-    if a.diagnose:
+    if s.diagnose:
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(a.threads)
-        seqs = seqs[: a.diagnose_seqs]
-        ref = ref[: a.diagnose_seqs]
-        massive, share = massive_dims(work / "plain", seqs, a.massive_k)
+        torch.set_num_threads(s.threads)
+        seqs = seqs[: s.diagnose_seqs]
+        ref = ref[: s.diagnose_seqs]
+        massive, share = massive_dims(work / "plain", seqs, s.massive_k)
         study["massive_dims"] = {"dims": massive, "energy_share": round(share, 4)}
         # obfuscated models as served, and the plaintext rewritten one mechanism at a time
         subjects = [(n, lambda n=n: AutoModelForCausalLM.from_pretrained(str(models[n][0]), dtype=torch.float32).eval(),
-                     models[n][1]) for n in ["plain"] + [f"{label}-s{a.seeds[0]}" for label, _ in variants]]
+                     models[n][1]) for n in ["plain"] + [f"{label}-s{s.seeds[0]}" for label, _ in variants]]
         subjects += [(f"plain-{v}", lambda v=v: rotated_plaintext(work / "plain", v, massive), None)
                      for v in ("fold", "fold+rotate", "fold+rotate-keep")]
-        for qtype in a.diagnose:
+        for qtype in s.diagnose:
             for name, load, key in subjects:
-                enc = seqs if key is None else [key.encode_ids(s) for s in seqs]
+                enc = seqs if key is None else [key.encode_ids(x) for x in seqs]
                 base = None
-                for where in ["none"] + a.diagnose_where:
+                for where in ["none", *s.diagnose_where]:
                     k = f"emulated/{name}/{qtype}/{where}"
-                    if k in res and where != "none":
+                    if store.has(k) and where != "none":
                         continue
                     t0 = time.monotonic()
                     lps = [log_softmax(lg if key is None else lg[:, key.permutation])
                            for lg in emulate(load(), enc, qtype, where)]
                     if where == "none":
                         base = lps
-                    res[k] = {**pooled([compare(r, x) for r, x in zip(ref, lps)]),
-                              **{f"self_{kk}": v for kk, v in pooled([compare(r, x) for r, x in zip(base, lps)]).items()
-                                 if kk != "positions"},
-                              "seconds": round(time.monotonic() - t0, 1)}
-                    print(k, json.dumps(res[k]), flush=True)
-                    save()
+                    r = {**pooled([compare(a, x) for a, x in zip(ref, lps)]),
+                         **{f"self_{kk}": v for kk, v in pooled([compare(a, x) for a, x in zip(base, lps)]).items()
+                            if kk != "positions"},
+                         "seconds": round(time.monotonic() - t0, 1)}
+                    store.put(k, r)
+                    print(k, json.dumps(r), flush=True)
+                    save_study()
 
-    # excess over plaintext at the same bits
-    study["excess_over_plaintext_same_type"] = {
-        f"{name}/{qtype}": {"kl": round(res[f"llamacpp/{name}/{qtype}"]["kl"] - res[f"llamacpp/plain/{qtype}"]["kl"], 6),
-                            "self_kl": round(res[f"llamacpp/{name}/{qtype}"]["self_kl"]
-                                             - res[f"llamacpp/plain/{qtype}"]["self_kl"], 6),
-                            "top1": round(res[f"llamacpp/{name}/{qtype}"]["top1"]
-                                          - res[f"llamacpp/plain/{qtype}"]["top1"], 5),
-                            "self_kl_ratio": round(res[f"llamacpp/{name}/{qtype}"]["self_kl"]
-                                                   / max(res[f"llamacpp/plain/{qtype}"]["self_kl"], 1e-12), 2)}
-        for name in sorted({k.split("/")[1] for k in res if k.startswith("llamacpp/")} - {"plain"})
-        for qtype in ("f32", "f16", "q8_0", "q5_0", "q4_0")
-        if f"llamacpp/{name}/{qtype}" in res and f"llamacpp/plain/{qtype}" in res}
-    save()
-    for k, v in sorted(res.items()):
-        print(f"{k:44s} top1 {v['top1']:.4f} kl {v['kl']:.5f} | self top1 {v['self_top1']:.4f} self kl {v['self_kl']:.5f}")
+    study["excess_over_plaintext_same_type"] = excess(store.entries())
+    save_study()
 
 
-if __name__ == "__main__":
-    main()
+def excess(res: dict) -> dict:
+    """Obfuscated minus plaintext at the same type (kl, self_kl, top1) and the self_kl ratio."""
+    out = {}
+    names = sorted({k.split("/")[1] for k in res if k.startswith("llamacpp/")} - {"plain"})
+    for name in names:
+        for qtype in ("f32", "f16", "q8_0", "q5_0", "q4_0"):
+            o, p = res.get(f"llamacpp/{name}/{qtype}"), res.get(f"llamacpp/plain/{qtype}")
+            if o and p:
+                out[f"{name}/{qtype}"] = {"kl": round(o["kl"] - p["kl"], 6),
+                                          "self_kl": round(o["self_kl"] - p["self_kl"], 6),
+                                          "top1": round(o["top1"] - p["top1"], 5),
+                                          # None where plaintext loses nothing (f32): no ratio to speak of
+                                          "self_kl_ratio": round(o["self_kl"] / p["self_kl"], 2) if p["self_kl"] > 0
+                                          else None}
+    return out
+
+
+def report(store: ResultStore) -> str:
+    entries = store.entries()
+    study = entries.get(STUDY, {})
+    rows = [f"{study.get('source', '?')}: {study.get('positions', '?')} teacher-forced positions; "
+            f"{study.get('engine', 'engine not recorded')}.", "",
+            "| measured | model | type / rounding | top-1 / KL vs plaintext f32 | top-1 / KL vs own f32 (unrounded) | "
+            "KL vs own f32, x plaintext's |", "|---|---|---|---|---|---|"]
+    ratios = excess(entries)
+    for k, e in entries.items():
+        if k == STUDY:
+            continue
+        parts = k.split("/")
+        where, name, qtype = parts[0], parts[1], "/".join(parts[2:])
+        ratio = ratios.get(f"{name}/{qtype}", {}).get("self_kl_ratio") if where == "llamacpp" else None
+        rows.append(f"| {'llama.cpp' if where == 'llamacpp' else 'emulated'} | {name} | {qtype} | "
+                    f"{e['top1']:.4f} / {e['kl']:.5g} | {e['self_top1']:.4f} / {e['self_kl']:.5g} | "
+                    f"{'' if ratio is None else f'{ratio:.2f}x'} |")
+    if study.get("massive_dims"):
+        m = study["massive_dims"]
+        rows += ["", f"Massive-activation dimensions {m['dims']}: {m['energy_share']:.0%} of the residual energy."]
+    if study.get("note"):
+        rows += ["", f"Note: {study['note']}"]
+    return "\n".join(rows)
+
+
+LEGACY = ("smollm2-types-diagnose", "smollm2-outliers-folded", "smollm2-normsplit", "qwen-coder-noclip",
+          "qwen-coder-noclip-diagnose", "qwen-coder-diagnose-key15", "keptclip-sweep-smollm2",
+          "keptclip-sweep-qwen-coder", "keptclip-smollm2", "keptclip-qwen-coder", "lam0-smollm2", "lam0-qwen-coder")
+
+register(Experiment(
+    name="gguf_fidelity",
+    summary="obfuscated vs plaintext GGUFs on llama.cpp at the same bits (f32, f16, q8_0, q4_0), optional emulation",
+    settings=Settings,
+    configs={"smollm2": Settings(),
+             "qwen-coder": Settings(model="qwen-coder", types=("f32", "q8_0"), presets=("exact_h0=exact:h=0", "noisy"),
+                                    seeds=(11, 12, 13), threads=1),
+             "smoke": Settings(types=("f32", "q8_0"), presets=("exact",), prompts=1, reply_tokens=8)},
+    run=run, report=report, docs=("docs/serving-gguf.md",), legacy_configs=LEGACY,
+    notes="needs llama-cpp-python; smollm2: minutes per model and type on 2 threads; the kept result files are "
+          "studies of several commands each (their run records quote them)",
+))
