@@ -107,7 +107,8 @@ def report(store: ResultStore) -> str:
     for e in store.entries().values():
         greedy = round(e["greedy_match_rate"] * e["prompts"])
         fr = e["france"]
-        rows.append(f"| `{e['preset']}` | {e['seed']} | {e['prompts']} ({e['positions']:,}) | {e['top1_agreement']:.4f} | "
+        rows.append(f"| `{e['preset']}` | {e['seed']} | {e['prompts']} ({e['positions']:,}) | "
+                    f"{e['top1_agreement']:.4f} | "
                     f"{e['mean_kl']:.2g} | {e['max_logit_error']:.2g} | {greedy}/{e['prompts']} | "
                     f"{'yes' if fr['equal'] else 'no'}: {fr['private']!r} |")
     return "\n".join(rows)

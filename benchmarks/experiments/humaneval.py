@@ -91,7 +91,8 @@ def report(store: ResultStore) -> str:
         same = sum(res[t]["completion"] == plain[t]["completion"] for t in ids)
         digits = 3 if len(ids) >= 100 else 2  # one problem moves pass@1 by 1/len(ids)
         lines.append(f"| {label} | {target.get('max_new_tokens', '?')} | {len(ids)} | {s['passed']} | "
-                     f"{s['pass@1']:.{digits}f} | {ppass}/{len(ids)} = {ppass / len(ids):.{digits}f} | {same}/{len(ids)} | "
+                     f"{s['pass@1']:.{digits}f} | {ppass}/{len(ids)} = {ppass / len(ids):.{digits}f} | "
+                     f"{same}/{len(ids)} | "
                      f"{s['tokens_per_second']:.2f} |")
     from ..lib.presets import drift_notes
 

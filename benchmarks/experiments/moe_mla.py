@@ -264,7 +264,8 @@ def report(store: ResultStore) -> str:
     mem = [(k, e) for k, e in entries if "peak_rss_mib" in e]
     out = []
     if fid:
-        out.append("Cells: top-1 agreement / mean KL(plain || obf); MoE: fraction of expert sets equal to plaintext's.\n")
+        out.append("Cells: top-1 agreement / mean KL(plain || obf); MoE: fraction of expert sets equal to "
+                   "plaintext's.\n")
         out.append(_fidelity_table(fid))
     if norm:
         out += ["| arch | row-norm spread | expert sets changed, exact variant | changed, normalised | "
