@@ -62,6 +62,14 @@ def pooled(parts: list[dict]) -> dict:
             "kl": round(sum(p["kl_sum"] for p in parts) / n, 6), "kl_max": round(max(p["kl_max"] for p in parts), 4)}
 
 
+def scores(ref: list, own: list, lps: list, t0: float) -> dict:
+    """``lps`` against the plaintext f32 reference and (``self_*``) against the same model unrounded."""
+    return {**pooled([compare(a, x) for a, x in zip(ref, lps)]),
+            **{f"self_{k}": v for k, v in pooled([compare(a, x) for a, x in zip(own, lps)]).items()
+               if k != "positions"},
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
 # ------------------------------------------------------------------- llama.cpp's rounding, emulated in torch
 
 
@@ -320,10 +328,7 @@ def run(s: Settings, store: ResultStore) -> None:
             t0 = time.monotonic()
             lp = cached_logprobs(name, qtype)
             own = cached_logprobs(name, "f32")
-            r = {**pooled([compare(a, x) for a, x in zip(ref, lp)]),
-                 **{f"self_{kk}": v for kk, v in pooled([compare(a, x) for a, x in zip(own, lp)]).items()
-                    if kk != "positions"},
-                 "seconds": round(time.monotonic() - t0, 1)}
+            r = scores(ref, own, lp, t0)
             store.put(k, r)
             print(k, json.dumps(r), flush=True)
             save_study()
@@ -355,10 +360,7 @@ def run(s: Settings, store: ResultStore) -> None:
                            for lg in emulate(load(), enc, qtype, where)]
                     if where == "none":
                         base = lps
-                    r = {**pooled([compare(a, x) for a, x in zip(ref, lps)]),
-                         **{f"self_{kk}": v for kk, v in pooled([compare(a, x) for a, x in zip(base, lps)]).items()
-                            if kk != "positions"},
-                         "seconds": round(time.monotonic() - t0, 1)}
+                    r = scores(ref, base, lps, t0)
                     store.put(k, r)
                     print(k, json.dumps(r), flush=True)
                     save_study()
