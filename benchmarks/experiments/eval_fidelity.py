@@ -67,8 +67,7 @@ def report(store: ResultStore) -> str:
                     f"{p['max_logit_error']:.3g} | {p['greedy_match_rate']:.2f} | {c['top1_agreement']:.3f} | "
                     f"{c['mean_kl']:.4f} | {_ppl(c['perplexity'])} |")
         drift.append((f"{e['model']} {e['preset']}", e["preset"], e.get("params"), {}))
-    notes = drift_notes(drift)
-    return "\n".join(rows + ([""] + notes if notes else []))
+    return "\n".join(rows) + drift_notes(drift)
 
 
 register(Experiment(

@@ -121,8 +121,7 @@ def report(store: ResultStore) -> str:
         rows.append(f"| {name} | {r['top1_agreement']:.3f} | {r['mean_kl']:.4f} | {r['greedy_match_rate']:.2f} |")
         preset, overrides = ABLATIONS.get(name, (None, {}))
         drift.append((name, preset, r.get("params"), {k: v for k, v in overrides.items() if k != "dtype"}))
-    notes = drift_notes(drift)
-    return "\n".join(rows + ([""] + notes if notes else []))
+    return "\n".join(rows) + drift_notes(drift)
 
 
 register(Experiment(

@@ -96,8 +96,7 @@ def report(store: ResultStore) -> str:
                      f"{s['tokens_per_second']:.2f} |")
     from ..lib.presets import drift_notes
 
-    notes = drift_notes([(label, label, target["params"], {})]) if target.get("params") else []
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines) + (drift_notes([(label, label, target["params"], {})]) if target.get("params") else "")
 
 
 register(Experiment(

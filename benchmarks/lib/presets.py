@@ -24,12 +24,12 @@ def unrecorded_fields(records: list[dict | None]) -> list[str]:
     return [n for n in names if any(r is not None and n not in r for r in records)]
 
 
-def drift_notes(rows: list[tuple[str, str | None, dict | None, dict]]) -> list[str]:
-    """Markdown notes for (label, preset, recorded params, overrides) rows: value drift per row, then one line on
-    fields older rows did not record."""
+def drift_notes(rows: list[tuple[str, str | None, dict | None, dict]]) -> str:
+    """Markdown notes to append to a table of (label, preset, recorded params, overrides) rows: value drift per
+    row, then one line on fields older rows did not record; '' when there is nothing to say."""
     notes = [f"- {label}: measured with parameters unlike today's: {d}"
              for label, preset, rec, over in rows if (d := params_drift(preset, rec, **over))]
     missing = unrecorded_fields([rec for _, _, rec, _ in rows])
     if missing:
         notes.append(f"- some rows predate (recorded no value for) {', '.join(missing)}")
-    return notes
+    return "\n\n" + "\n".join(notes) if notes else ""
