@@ -1,5 +1,5 @@
-"""Which dtype the weight products run in (pipeline.product_dtype; measured in benchmarks/product_rounding.py and
-benchmarks/product_precision.py)."""
+"""Which dtype the weight products run in (pipeline.product_dtype; measured in experiments product_rounding and
+product_precision)."""
 from __future__ import annotations
 
 import torch

@@ -207,7 +207,7 @@ DEFAULT = ObfuscationParams(h=0, outlier_dims=4)
 EXACT = ObfuscationParams(outlier_dims=4)
 
 # `noisy`: `default` plus embedding/head noise 10x below the paper's (alpha_e=0.1, alpha_h=0.05), the largest
-# noise measured on SmolLM2-135M that keeps top-1 agreement >= 0.9 (benchmarks/fidelity_presets.py, docs/design.md
+# noise measured on SmolLM2-135M that keeps top-1 agreement >= 0.9 (experiment fidelity_presets, docs/design.md
 # "Presets"). Measured on SmolLM2: top-1 0.91, KL 0.055-0.059 on the 20 built-in prompts it was chosen on; top-1
 # 0.81, KL 0.067, 2 of 24 greedy continuations unchanged on held-out prompts (docs/accuracy.md). It does not stop
 # weight matching (benchmarks experiment vma_gate: 99.9%), the behavioural attack (100% of prompt tokens on SmolLM2

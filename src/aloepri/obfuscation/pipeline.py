@@ -155,7 +155,7 @@ def product_dtype(out_dtype: torch.dtype, params: ObfuscationParams) -> torch.dt
       products double its float32 logit error on Qwen2.5-Coder-0.5B (docs/performance.md, "Precision").
     - 16-bit outputs: float32 whatever the preset. The storage rounding (2^-9 relative for bf16) is ~10^4 times a
       float32 product's error: measured at width 2048 with a real key, 0.04% of bf16 entries (0.19% of fp16)
-      differ between float32 and float64 products, each by one rounding step (benchmarks/product_rounding.py).
+      differ between float32 and float64 products, each by one rounding step (experiment product_rounding).
     - a noisy preset: float32, its rounding (1e-7 relative) six orders below the noise it adds."""
     if out_dtype == torch.float64 or (params.is_exact and out_dtype == torch.float32):
         return torch.float64
