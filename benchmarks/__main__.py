@@ -49,7 +49,11 @@ def _run(args) -> int:
     store = exp.store(name, settings)
     store.begin(argv=["python", "-m", "benchmarks", *sys.argv[1:]], fresh=args.fresh)
     print(f"{exp.name} / {name} -> {store.path}", flush=True)
-    exp.run(settings, store)
+    try:
+        exp.run(settings, store)
+    except BaseException:
+        store.abandon()  # a run that failed before storing anything leaves no trace
+        raise
     print(exp.report(store))
     return 0
 

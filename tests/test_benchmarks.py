@@ -37,12 +37,15 @@ def test_every_results_file_belongs_to_an_experiment_config():
     stray = []
     for path in RESULTS.rglob("*.json"):
         rel = path.relative_to(RESULTS)
-        if len(rel.parts) != 2 or (rel.parts[0], path.stem) not in known:
+        if len(rel.parts) != 2:
             stray.append(str(rel))
-        else:
-            data = json.loads(path.read_text())
-            assert data["runs"], f"{rel}: no provenance"
-            assert all("argv" in r or r.get("legacy") and r.get("command") for r in data["runs"]), rel
+            continue
+        data = json.loads(path.read_text())
+        assert data["runs"], f"{rel}: no provenance"
+        assert all("argv" in r or r.get("legacy") and r.get("command") for r in data["runs"]), rel
+        saved_as = all("--save-as" in r.get("argv", []) and path.stem in r["argv"] for r in data["runs"])
+        if (rel.parts[0], path.stem) not in known and not (rel.parts[0] in experiments and saved_as):
+            stray.append(str(rel))
     assert not stray, f"results outside results/<experiment>/<config>.json of a registered config: {stray}"
 
 
@@ -110,6 +113,20 @@ def test_store_refuses_results_of_other_settings(tmp_path):
     assert fresh.load()["settings"] == {"a": 2} and len(fresh.load()["runs"]) == 1
 
 
+def test_a_run_that_fails_before_storing_anything_leaves_no_file(tmp_path):
+    store = ResultStore("exp", "cfg", {"a": 1}, root=tmp_path)
+    store.begin()
+    store.abandon()
+    assert not store.path.exists()
+    kept = ResultStore("exp", "cfg", {"a": 1}, root=tmp_path)
+    kept.begin()
+    kept.put("k", {"v": 1})
+    again = ResultStore("exp", "cfg", {"a": 1}, root=tmp_path)
+    again.begin()
+    again.abandon()
+    assert len(again.load()["runs"]) == 1 and again.has("k")
+
+
 def test_target_cache_key_follows_parameters_and_seed(tmp_path):
     import aloepri
     from benchmarks.lib.targets import cache_key
@@ -121,6 +138,13 @@ def test_target_cache_key_follows_parameters_and_seed(tmp_path):
     assert base != cache_key(src, aloepri.resolve_params("noisy"), 1)
     assert base != cache_key(src, aloepri.resolve_params("default", outlier_dims=0), 1)
     assert base != cache_key(src, aloepri.resolve_params("default"), 2)
+    import torch
+
+    factors = torch.ones(2, 3000)
+    changed = factors.clone()
+    changed[1, 1500] = 2.0  # beyond what a tensor's repr prints
+    assert cache_key(src, aloepri.resolve_params("default"), 1, noise_factors=(factors,)) != \
+        cache_key(src, aloepri.resolve_params("default"), 1, noise_factors=(changed,))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

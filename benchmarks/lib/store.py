@@ -91,6 +91,19 @@ class ResultStore:
             self.run_index = len(data["runs"]) - 1
         return self.run_index
 
+    def abandon(self) -> None:
+        """Take back this run's record when it stored nothing (a run that failed before its first result), and the
+        file with it when no other run is left in it."""
+        if self.run_index is None:
+            return
+        with self._locked() as data:
+            used = any(e.get("run") == self.run_index for e in data["entries"].values() if isinstance(e, dict))
+            if not used and self.run_index == len(data["runs"]) - 1:
+                data["runs"].pop()
+        if not self.load()["runs"] and not self.load()["entries"]:
+            self.path.unlink(missing_ok=True)
+        self.run_index = None
+
     def put(self, key: str, value: dict[str, Any]) -> None:
         """Store one finished unit of work (resumable runs skip keys that ``has``). The entry gets two fields of
         the store's own: ``run`` (index into the file's run records) and ``written`` (UTC time)."""

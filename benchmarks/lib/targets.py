@@ -39,11 +39,25 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
+def _array_digest(value: Any) -> Any:
+    """Arrays and tensors (noise_factors) by their bytes, not by an abbreviated repr; other values as they are."""
+    if isinstance(value, (tuple, list)):
+        return [_array_digest(v) for v in value]
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if hasattr(value, "tobytes") and hasattr(value, "shape"):
+        import numpy as np
+
+        a = np.ascontiguousarray(value)
+        return {"sha256": hashlib.sha256(a.tobytes()).hexdigest(), "shape": list(a.shape), "dtype": str(a.dtype)}
+    return value
+
+
 def cache_key(src: Path, params: Any, seed: int, **obfuscate_kwargs: Any) -> str:
     st = Path(src).stat()
     identity = {"src": str(Path(src).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "params": to_jsonable(params), "seed": seed,
-                "kwargs": to_jsonable({k: v for k, v in sorted(obfuscate_kwargs.items())}), "code": _code_digest()}
+                "kwargs": to_jsonable({k: _array_digest(v) for k, v in sorted(obfuscate_kwargs.items())}), "code": _code_digest()}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
