@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.attack_targets import pct, print_entry, run_attack, target_record
 from ..lib.models import model_path
 
@@ -144,28 +144,24 @@ def report(store: ResultStore) -> str:
     return table(entries)
 
 
-register(Experiment(
-    name="attack_behavioural",
-    summary="behavioural attacks (and VMA -> behavioural -> ridge) next to the accuracy of the same output "
-            "(tens of minutes per target on SmolLM2, ~36 min reduced on Qwen)",
-    settings=Settings,
-    configs={
-        # docs/security.md "Behavioural attacks" table and plot, docs/accuracy.md's frontier points
-        "smollm2-small": Settings(),
-        # lambda and the block permutation against the behavioural attack (docs/expansion.md)
-        "lam-beta-small": Settings(targets=("noisy:lam=0.1", "default:lam=0.0", "default:lam=0.0,beta=1"),
-                                   attacks=("behavioural",)),
-        "qwen-coder-small": Settings(models=("qwen-coder",), targets=("exact", "noisy"), attacks=("behavioural",)),
-        # Qwen, paper preset: the composed pipeline at the reduced budget (docs/security.md)
-        "qwen-coder-paper-reduced": Settings(models=("qwen-coder",), targets=("paper",),
-                                             attacks=("behavioural-composed",), reduced=True),
-        # a check that the whole path runs (positive control, ci budget, 5 prompts)
-        "smoke": Settings(targets=("permutation-only",), attacks=("behavioural",), budget="ci", prompts=5),
-    },
-    default_config="smollm2-small",
-    run=run, report=report, docs=("docs/security.md", "docs/accuracy.md", "docs/expansion.md", "docs/defences.md",
-                                  "docs/audit.md"),
-    notes="CPU; the frontier and audit_frontier experiments read every stored config of this one. The kept "
-          "results name targets as the presets were then ('default' was noisy-like then); every row records its "
-          "parameters (target_params)",
-))
+SUMMARY = ("behavioural attacks (and VMA -> behavioural -> ridge) next to the accuracy of the same output "
+           "(tens of minutes per target on SmolLM2, ~36 min reduced on Qwen)")
+CONFIGS = {
+    # docs/security.md "Behavioural attacks" table and plot, docs/accuracy.md's frontier points
+    "smollm2-small": Settings(),
+    # lambda and the block permutation against the behavioural attack (docs/expansion.md)
+    "lam-beta-small": Settings(targets=("noisy:lam=0.1", "default:lam=0.0", "default:lam=0.0,beta=1"),
+                               attacks=("behavioural",)),
+    "qwen-coder-small": Settings(models=("qwen-coder",), targets=("exact", "noisy"), attacks=("behavioural",)),
+    # Qwen, paper preset: the composed pipeline at the reduced budget (docs/security.md)
+    "qwen-coder-paper-reduced": Settings(models=("qwen-coder",), targets=("paper",),
+                                         attacks=("behavioural-composed",), reduced=True),
+    # a check that the whole path runs (positive control, ci budget, 5 prompts)
+    "smoke": Settings(targets=("permutation-only",), attacks=("behavioural",), budget="ci", prompts=5),
+}
+DEFAULT_CONFIG = "smollm2-small"
+DOCS = ("docs/security.md", "docs/accuracy.md", "docs/expansion.md", "docs/defences.md",
+        "docs/audit.md")
+NOTES = ("CPU; the frontier and audit_frontier experiments read every stored config of this one. The kept "
+         "results name targets as the presets were then ('default' was noisy-like then); every row records its "
+         "parameters (target_params)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.legacy import legacy_note
 from ..lib.models import model_path
 
@@ -128,13 +128,9 @@ def report(store: ResultStore) -> str:
     return "\n".join(out)
 
 
-register(Experiment(
-    name="attack_frequency",
-    summary="TFMA, known-pair ridge and frequency-bootstrapped ridge per preset on SmolLM2 (hours at full budget)",
-    settings=Settings,
-    configs={"full": Settings(),
-             "smoke": Settings(presets=("exact",), attacks=("tfma",), budget="ci", prompts=10)},
-    run=run, report=report, docs=("docs/security.md",),
-    legacy_configs=("old-presets",),
-    notes="needs the Debian corpora of docs/data.md; old-presets: rows measured with the presets of 2026-11-22",
-))
+SUMMARY = "TFMA, known-pair ridge and frequency-bootstrapped ridge per preset on SmolLM2 (hours at full budget)"
+CONFIGS = {"full": Settings(),
+           "smoke": Settings(presets=("exact",), attacks=("tfma",), budget="ci", prompts=10)}
+DOCS = ("docs/security.md",)
+LEGACY_CONFIGS = ("old-presets",)
+NOTES = "needs the Debian corpora of docs/data.md; old-presets: rows measured with the presets of 2026-11-22"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.legacy import legacy_note
 from ..lib.models import model_path
 
@@ -41,10 +41,9 @@ def _plans(s: Settings) -> list[tuple[str, str]]:
 def run(s: Settings, store: ResultStore) -> None:
     import torch
 
-    from aloepri.attacks.base import AttackTarget, Budget
+    from aloepri.attacks.base import AttackTarget, Budget, unprotected_target
     from aloepri.attacks.data import private_prompts
     from aloepri.attacks.decipher import sda_attack
-    from aloepri.attacks.base import unprotected_target
     from aloepri.attacks.ima import run_ima
     from aloepri.attacks.isa import ISAConfig, isa_attention_attack, isa_hidden_attack
 
@@ -106,14 +105,10 @@ def report(store: ResultStore) -> str:
     return legacy_note(store) + "\n".join(rows)
 
 
-register(Experiment(
-    name="attack_inversion",
-    summary="ISA / IMA / SDA on SmolLM2 per preset and the unprotected control (tens of minutes per row)",
-    settings=Settings,
-    configs={"small": Settings(), "ci": Settings(budget="ci"), "full": Settings(budget="full"),
-             "smoke": Settings(budget="ci", prompts=2, isa_prompts=1, isa_len=8, attacks=("isa_hidden",),
-                               targets=("unprotected",))},
-    run=run, report=report, docs=("docs/security.md",),
-    legacy_configs=("old-presets",),
-    notes="old-presets: rows measured on 2026-11-23 with the presets of then",
-))
+SUMMARY = "ISA / IMA / SDA on SmolLM2 per preset and the unprotected control (tens of minutes per row)"
+CONFIGS = {"small": Settings(), "ci": Settings(budget="ci"), "full": Settings(budget="full"),
+           "smoke": Settings(budget="ci", prompts=2, isa_prompts=1, isa_len=8, attacks=("isa_hidden",),
+                             targets=("unprotected",))}
+DOCS = ("docs/security.md",)
+LEGACY_CONFIGS = ("old-presets",)
+NOTES = "old-presets: rows measured on 2026-11-23 with the presets of then"

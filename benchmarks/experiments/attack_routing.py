@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.legacy import legacy_note
 
 CONTROL = ("qwen3_moe", {"num_experts": 32}, "exact")  # the weak target: 32 experts, exact preset
@@ -122,17 +122,13 @@ def report(store: ResultStore) -> str:
     return legacy_note(store) + "\n".join(rows)
 
 
-register(Experiment(
-    name="attack_routing",
-    summary="MoE routing-leak attack on tiny random-weight MoE models per architecture and preset (minutes)",
-    settings=Settings,
-    configs={"full": Settings(),
-             "experts32-noisy": Settings(archs=("qwen3_moe",), presets=("noisy",), overrides={"num_experts": 32},
-                                         control=False),
-             "traffic24": Settings(archs=("qwen3_moe", "deepseek_v3"), presets=("exact", "noisy"), prompts=24,
-                                   control=False),
-             "smoke": Settings(archs=("mixtral",), presets=("exact",), prompts=2, tokens=8, control=False)},
-    run=run, report=report, docs=("docs/security.md",),
-    legacy_configs=("old-presets",),
-    notes="old-presets: rows measured on 2026-11-22 with the presets of then",
-))
+SUMMARY = "MoE routing-leak attack on tiny random-weight MoE models per architecture and preset (minutes)"
+CONFIGS = {"full": Settings(),
+           "experts32-noisy": Settings(archs=("qwen3_moe",), presets=("noisy",), overrides={"num_experts": 32},
+                                       control=False),
+           "traffic24": Settings(archs=("qwen3_moe", "deepseek_v3"), presets=("exact", "noisy"), prompts=24,
+                                 control=False),
+           "smoke": Settings(archs=("mixtral",), presets=("exact",), prompts=2, tokens=8, control=False)}
+DOCS = ("docs/security.md",)
+LEGACY_CONFIGS = ("old-presets",)
+NOTES = "old-presets: rows measured on 2026-11-22 with the presets of then"

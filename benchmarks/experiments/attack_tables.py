@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.attack_targets import print_entry, render, run_attack, target_record
 from ..lib.models import model_path
 
@@ -57,34 +57,30 @@ def report(store: ResultStore) -> str:
     return render(store.entries())
 
 
-register(Experiment(
-    name="attack_tables",
-    summary="weight attacks (VMA, Gate-IA, Attn-IA, NN ...) per target and model: docs/security.md's tables "
-            "(minutes per attack on SmolLM2, up to 20 min on Qwen)",
-    settings=Settings,
-    configs={
-        # docs/security.md "Summary ... SmolLM2-135M, budget ci", the detailed tables and the ablation table
-        "smollm2-ci": Settings(),
-        # the same on Qwen2.5-Coder-0.5B (VMA only on the noisy targets: 19 min per run)
-        "qwen-coder-ci": Settings(models=("qwen-coder",), targets=("permutation-only", "exact", "noisy", "paper",
-                                                                   "ablation-0", "ablation-1")),
-        # known-pair ridge on Qwen (docs/security.md, the leaked-pairs paragraph)
-        "qwen-coder-ridge": Settings(models=("qwen-coder",), targets=("noisy", "paper"),
-                                     attacks=("ridge-k20", "ridge-k300")),
-        # VMA at budget small on the paper preset (docs/defences.md quotes its wall time)
-        "paper-vma-small": Settings(targets=("paper",), attacks=("vma",), budget="small"),
-        # the frequency attacks over the client's whole traffic (docs/security.md, SDA in the paper's settings)
-        "traffic-ci": Settings(targets=("noisy",), attacks=("tfma", "sda-zero-knowledge", "sda-domain-aware",
-                                                              "sda-distribution-aware")),
-        # lambda and the block permutation against the weight attacks (docs/expansion.md)
-        "lam-beta-ci": Settings(targets=("noisy:lam=0.1", "default:lam=0.0,beta=1"),
-                                attacks=("gate-ia", "attn-ia", "attn-ia-sorted")),
-        # a check that the whole path runs (NN on the positive control, 5 prompts: about a minute)
-        "smoke": Settings(targets=("permutation-only",), attacks=("nn",), prompts=5),
-    },
-    default_config="smollm2-ci",
-    run=run, report=report, docs=("docs/security.md", "docs/defences.md", "docs/expansion.md"),
-    notes="CPU; 1 thread; the obfuscated targets are cached by parameter hash (benchmarks.lib.targets). The kept "
-          "results name targets as the presets were then ('default' was noisy-like then); every row records its "
-          "parameters",
-))
+SUMMARY = ("weight attacks (VMA, Gate-IA, Attn-IA, NN ...) per target and model: docs/security.md's tables "
+           "(minutes per attack on SmolLM2, up to 20 min on Qwen)")
+CONFIGS = {
+    # docs/security.md "Summary ... SmolLM2-135M, budget ci", the detailed tables and the ablation table
+    "smollm2-ci": Settings(),
+    # the same on Qwen2.5-Coder-0.5B (VMA only on the noisy targets: 19 min per run)
+    "qwen-coder-ci": Settings(models=("qwen-coder",), targets=("permutation-only", "exact", "noisy", "paper",
+                                                               "ablation-0", "ablation-1")),
+    # known-pair ridge on Qwen (docs/security.md, the leaked-pairs paragraph)
+    "qwen-coder-ridge": Settings(models=("qwen-coder",), targets=("noisy", "paper"),
+                                 attacks=("ridge-k20", "ridge-k300")),
+    # VMA at budget small on the paper preset (docs/defences.md quotes its wall time)
+    "paper-vma-small": Settings(targets=("paper",), attacks=("vma",), budget="small"),
+    # the frequency attacks over the client's whole traffic (docs/security.md, SDA in the paper's settings)
+    "traffic-ci": Settings(targets=("noisy",), attacks=("tfma", "sda-zero-knowledge", "sda-domain-aware",
+                                                          "sda-distribution-aware")),
+    # lambda and the block permutation against the weight attacks (docs/expansion.md)
+    "lam-beta-ci": Settings(targets=("noisy:lam=0.1", "default:lam=0.0,beta=1"),
+                            attacks=("gate-ia", "attn-ia", "attn-ia-sorted")),
+    # a check that the whole path runs (NN on the positive control, 5 prompts: about a minute)
+    "smoke": Settings(targets=("permutation-only",), attacks=("nn",), prompts=5),
+}
+DEFAULT_CONFIG = "smollm2-ci"
+DOCS = ("docs/security.md", "docs/defences.md", "docs/expansion.md")
+NOTES = ("CPU; 1 thread; the obfuscated targets are cached by parameter hash (benchmarks.lib.targets). The kept "
+         "results name targets as the presets were then ('default' was noisy-like then); every row records its "
+         "parameters")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.provenance import REPO
 from ..lib.stored import stored_results
 
@@ -107,12 +107,8 @@ def report(store: ResultStore) -> str:
     return "\n".join(lines)
 
 
-register(Experiment(
-    name="audit_frontier",
-    summary="the measured privacy-utility points `aloepri audit` ships (package data), derived from the frontier "
-            "and attack_behavioural results (seconds; nothing recomputed)",
-    settings=Settings,
-    configs={"bundled": Settings()},
-    run=run, report=report, docs=("docs/audit.md",),
-    notes="writes src/aloepri/audit/measured_frontier.json",
-))
+SUMMARY = ("the measured privacy-utility points `aloepri audit` ships (package data), derived from the frontier "
+           "and attack_behavioural results (seconds; nothing recomputed)")
+CONFIGS = {"bundled": Settings()}
+DOCS = ("docs/audit.md",)
+NOTES = "writes src/aloepri/audit/measured_frontier.json"

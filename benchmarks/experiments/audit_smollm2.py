@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,6 @@ def report(store: ResultStore) -> str:
     return "\n".join(lines)
 
 
-register(Experiment(
-    name="audit_smollm2",
-    summary="`aloepri audit` on SmolLM2 obfuscated losslessly: it must report the prompts as read (~20 min at ci)",
-    settings=Settings,
-    configs={"ci": Settings()},
-    run=run, report=report,
-    notes="CPU; obfuscates with a fresh random seed each run, as a user would",
-))
+SUMMARY = "`aloepri audit` on SmolLM2 obfuscated losslessly: it must report the prompts as read (~20 min at ci)"
+CONFIGS = {"ci": Settings()}
+NOTES = "CPU; obfuscates with a fresh random seed each run, as a user would"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 FRANCE = "What is the capital of France?"
@@ -115,14 +115,10 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="default_fidelity",
-    summary="fidelity of the default and noisy presets on held-out prompts (Faker PII, fortunes), real SmolLM2",
-    settings=Settings,
-    configs={"full": Settings(),
-             "smoke": Settings(presets=("noisy",), pii_prompts=2, fortune_prompts=1, greedy_tokens=4,
-                               france_tokens=8)},
-    run=run, report=report, docs=("docs/accuracy.md",),
-    notes="full: two obfuscations of SmolLM2 and 24 prompts, minutes on 1 thread; needs faker (and the Debian "
-          "fortunes corpus for the fortune prompts)",
-))
+SUMMARY = "fidelity of the default and noisy presets on held-out prompts (Faker PII, fortunes), real SmolLM2"
+CONFIGS = {"full": Settings(),
+           "smoke": Settings(presets=("noisy",), pii_prompts=2, fortune_prompts=1, greedy_tokens=4,
+                             france_tokens=8)}
+DOCS = ("docs/accuracy.md",)
+NOTES = ("full: two obfuscations of SmolLM2 and 24 prompts, minutes on 1 thread; needs faker (and the Debian "
+         "fortunes corpus for the fortune prompts)")

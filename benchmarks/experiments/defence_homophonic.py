@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.legacy import legacy_note
 from ..lib.models import model_path
 from ..lib.targets import WORK as TARGETS_WORK
@@ -502,13 +502,9 @@ def run(s: Settings, store: ResultStore) -> None:
                                 **sda_run(hom, g, tokenizer, data, setting, budget)})
 
 
-register(Experiment(
-    name="defence_homophonic",
-    summary="a homophonic vocabulary against TFMA and SDA, simulated on SmolLM2's vocabulary (about an hour)",
-    settings=Settings,
-    configs={"full": Settings(),
-             "smoke": Settings(parts=("tfma",), schemes=("k1", "k2"), tfma_settings=("zero-knowledge",))},
-    run=run, report=report, docs=("docs/defences.md",),
-    legacy_configs=("old-presets",),
-    notes="needs the corpora of docs/data.md; old-presets: rows measured on 2026-11-23 with the presets of then",
-))
+SUMMARY = "a homophonic vocabulary against TFMA and SDA, simulated on SmolLM2's vocabulary (about an hour)"
+CONFIGS = {"full": Settings(),
+           "smoke": Settings(parts=("tfma",), schemes=("k1", "k2"), tfma_settings=("zero-knowledge",))}
+DOCS = ("docs/defences.md",)
+LEGACY_CONFIGS = ("old-presets",)
+NOTES = "needs the corpora of docs/data.md; old-presets: rows measured on 2026-11-23 with the presets of then"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.attack_targets import CLIENT_STEP, pct, print_entry, run_attack, target_record
 from ..lib.models import model_path
 
@@ -161,28 +161,24 @@ def report(store: ResultStore) -> str:
     return "\n".join(lines)
 
 
-register(Experiment(
-    name="defence_noise",
-    summary="sensitivity-shaped noise and head distillation: accuracy and attacks on the same obfuscated SmolLM2 "
-            "(3-4 min per target for accuracy; attacks minutes to tens of minutes)",
-    settings=Settings,
-    configs={
-        # docs/defences.md "Sensitivity-shaped noise": the accuracy rows
-        "accuracy": Settings(targets=("fisher-0.15", "fisher-0.5", "isotropic-0.05", "isotropic-0.3", "fisher-0.3",
-                                      "isotropic-0.15", "fisher-0.08")),
-        # ... and the attacks on the same outputs
-        "behavioural-small": Settings(targets=("fisher-0.5",), attacks=("behavioural",)),
-        "vma-ci": Settings(targets=("fisher-0.5", "isotropic-0.3", "isotropic-0.05", "fisher-0.08"),
-                           attacks=("vma",), budget="ci"),
-        # docs/defences.md "Distillation": accuracy after the head refit, then the attacks on it
-        "headfit-accuracy": Settings(targets=("isotropic-1.0+headfit-32", "isotropic-0.5+headfit-32")),
-        "headfit-small": Settings(targets=("isotropic-0.5+headfit-32",),
-                                  attacks=("behavioural", "behavioural-composed")),
-        # a check that the path runs: one accuracy row (obfuscation + 20 prompts; a few minutes)
-        "smoke": Settings(targets=("isotropic-0.05",)),
-    },
-    default_config="accuracy",
-    run=run, report=report, docs=("docs/defences.md",),
-    notes="CPU; fisher targets compute the noise factors first (2-4 min on SmolLM2). The kept results built on the "
-          "noisy preset of then (lam 0.1, h 128, beta 8); every row records its parameters",
-))
+SUMMARY = ("sensitivity-shaped noise and head distillation: accuracy and attacks on the same obfuscated SmolLM2 "
+           "(3-4 min per target for accuracy; attacks minutes to tens of minutes)")
+CONFIGS = {
+    # docs/defences.md "Sensitivity-shaped noise": the accuracy rows
+    "accuracy": Settings(targets=("fisher-0.15", "fisher-0.5", "isotropic-0.05", "isotropic-0.3", "fisher-0.3",
+                                  "isotropic-0.15", "fisher-0.08")),
+    # ... and the attacks on the same outputs
+    "behavioural-small": Settings(targets=("fisher-0.5",), attacks=("behavioural",)),
+    "vma-ci": Settings(targets=("fisher-0.5", "isotropic-0.3", "isotropic-0.05", "fisher-0.08"),
+                       attacks=("vma",), budget="ci"),
+    # docs/defences.md "Distillation": accuracy after the head refit, then the attacks on it
+    "headfit-accuracy": Settings(targets=("isotropic-1.0+headfit-32", "isotropic-0.5+headfit-32")),
+    "headfit-small": Settings(targets=("isotropic-0.5+headfit-32",),
+                              attacks=("behavioural", "behavioural-composed")),
+    # a check that the path runs: one accuracy row (obfuscation + 20 prompts; a few minutes)
+    "smoke": Settings(targets=("isotropic-0.05",)),
+}
+DEFAULT_CONFIG = "accuracy"
+DOCS = ("docs/defences.md",)
+NOTES = ("CPU; fisher targets compute the noise factors first (2-4 min on SmolLM2). The kept results built on the "
+         "noisy preset of then (lam 0.1, h 128, beta 8); every row records its parameters")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 
 WEIGHT_ATTACKS = "vma,isa_anchor"  # batch-independent
 
@@ -134,18 +134,14 @@ def report(store: ResultStore) -> str:
     return "\n".join(lines)
 
 
-register(Experiment(
-    name="device_attack",
-    summary="wall time of `aloepri attack` per device and behavioural probe batch, side by side in one run "
-            "(~1 h on 2 CPU cores for SmolLM2)",
-    settings=Settings,
-    configs={
-        # docs/performance.md: 2 shared CPU cores, no GPU
-        "smollm2-cpu": Settings(),
-        # the same on a GPU machine, CPU beside it (for a model of a few B parameters: --set model=DIR --save-as ...)
-        "smollm2-cuda": Settings(devices=("cpu", "cuda"), batches=("1", "default", "128"), threads=16),
-    },
-    default_config="smollm2-cpu",
-    run=run, report=report, docs=("docs/performance.md",),
-    notes="each configuration is its own `aloepri attack` process; no config takes under a few minutes",
-))
+SUMMARY = ("wall time of `aloepri attack` per device and behavioural probe batch, side by side in one run "
+           "(~1 h on 2 CPU cores for SmolLM2)")
+CONFIGS = {
+    # docs/performance.md: 2 shared CPU cores, no GPU
+    "smollm2-cpu": Settings(),
+    # the same on a GPU machine, CPU beside it (for a model of a few B parameters: --set model=DIR --save-as ...)
+    "smollm2-cuda": Settings(devices=("cpu", "cuda"), batches=("1", "default", "128"), threads=16),
+}
+DEFAULT_CONFIG = "smollm2-cpu"
+DOCS = ("docs/performance.md",)
+NOTES = "each configuration is its own `aloepri attack` process; no config takes under a few minutes"

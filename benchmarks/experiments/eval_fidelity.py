@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 from ..lib.presets import drift_notes
 
@@ -70,16 +70,12 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows) + drift_notes(drift)
 
 
-register(Experiment(
-    name="eval_fidelity",
-    summary="prompt fidelity, corpus top-1/KL and perplexity per preset (aloepri.eval.fidelity), one config per model",
-    settings=Settings,
-    configs={"smollm2": Settings(),
-             "qwen-coder": Settings(model="qwen-coder", presets=("noisy", "paper", "exact"), prompts=10,
-                                    greedy_tokens=16, corpus_texts=16, max_tokens=96),
-             "smoke": Settings(presets=("noisy",), seed=21, prompts=2, greedy_tokens=4, corpus_texts=2,
-                               max_tokens=32)},
-    run=run, report=report, docs=("docs/accuracy.md",),
-    notes="smollm2: ~1 h on 1 thread (exact's float64 products dominate); qwen-coder: hours; needs the "
-          "debian-reference corpus",
-))
+SUMMARY = "prompt fidelity, corpus top-1/KL and perplexity per preset (aloepri.eval.fidelity), one config per model"
+CONFIGS = {"smollm2": Settings(),
+           "qwen-coder": Settings(model="qwen-coder", presets=("noisy", "paper", "exact"), prompts=10,
+                                  greedy_tokens=16, corpus_texts=16, max_tokens=96),
+           "smoke": Settings(presets=("noisy",), seed=21, prompts=2, greedy_tokens=4, corpus_texts=2,
+                             max_tokens=32)}
+DOCS = ("docs/accuracy.md",)
+NOTES = ("smollm2: ~1 h on 1 thread (exact's float64 products dominate); qwen-coder: hours; needs the "
+         "debian-reference corpus")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 ATTACKS = ("fidelity", "isa_anchor", "nn", "isa_attention", "ima")
@@ -134,30 +134,26 @@ def report(store: ResultStore) -> str:
     return "\n".join(out)
 
 
-register(Experiment(
-    name="expansion_sweep",
-    summary="what the expansion h buys: state attacks and accuracy of the same obfuscation per h (minutes per "
-            "row on SmolLM2; isa_attention several minutes)",
-    settings=Settings,
-    configs={
-        # docs/expansion.md, the main table
-        "smollm2-ci": Settings(),
-        # ... its isa_attention and ima columns, per h
-        "attention-ci": Settings(hs=("144", "72"), attacks=("isa_attention", "ima")),
-        # docs/expansion.md "Qwen2.5-Coder-0.5B": the paper's h on noisy
-        "qwen-coder-h128": Settings(model="qwen-coder", presets=("noisy",), hs=("128",),
-                                    attacks=("isa_anchor", "nn", "fidelity"), isa_prompts=2, isa_len=16,
-                                    fidelity_texts=8),
-        # docs/expansion.md "h = 0 through the whole attack sweep"
-        "h0-ci": Settings(hs=("0",), attacks=ATTACKS),
-        # docs/expansion.md: lambda and the block permutation at h = 0
-        "lam-beta-h0": Settings(hs=("0",), presets=(), variants=("noisy_lam0_beta1=noisy:lam=0.0,beta=1",),
-                                attacks=("fidelity", "isa_attention")),
-        # a check that the path runs: exact at h = 0, accuracy on 2 public texts
-        "smoke": Settings(hs=("0",), presets=("exact",), attacks=("fidelity",), fidelity_texts=2),
-    },
-    default_config="smollm2-ci",
-    run=run, report=report, docs=("docs/expansion.md", "docs/security.md"),
-    notes="CPU; each (preset, h) is obfuscated once and cached by parameter hash (benchmarks.lib.targets). The kept "
-          "results name presets as they were then ('default' was noisy-like); every row records its parameters",
-))
+SUMMARY = ("what the expansion h buys: state attacks and accuracy of the same obfuscation per h (minutes per "
+           "row on SmolLM2; isa_attention several minutes)")
+CONFIGS = {
+    # docs/expansion.md, the main table
+    "smollm2-ci": Settings(),
+    # ... its isa_attention and ima columns, per h
+    "attention-ci": Settings(hs=("144", "72"), attacks=("isa_attention", "ima")),
+    # docs/expansion.md "Qwen2.5-Coder-0.5B": the paper's h on noisy
+    "qwen-coder-h128": Settings(model="qwen-coder", presets=("noisy",), hs=("128",),
+                                attacks=("isa_anchor", "nn", "fidelity"), isa_prompts=2, isa_len=16,
+                                fidelity_texts=8),
+    # docs/expansion.md "h = 0 through the whole attack sweep"
+    "h0-ci": Settings(hs=("0",), attacks=ATTACKS),
+    # docs/expansion.md: lambda and the block permutation at h = 0
+    "lam-beta-h0": Settings(hs=("0",), presets=(), variants=("noisy_lam0_beta1=noisy:lam=0.0,beta=1",),
+                            attacks=("fidelity", "isa_attention")),
+    # a check that the path runs: exact at h = 0, accuracy on 2 public texts
+    "smoke": Settings(hs=("0",), presets=("exact",), attacks=("fidelity",), fidelity_texts=2),
+}
+DEFAULT_CONFIG = "smollm2-ci"
+DOCS = ("docs/expansion.md", "docs/security.md")
+NOTES = ("CPU; each (preset, h) is obfuscated once and cached by parameter hash (benchmarks.lib.targets). The kept "
+         "results name presets as they were then ('default' was noisy-like); every row records its parameters")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, UsageError, register
+from ..lib import ResultStore, UsageError
 from ..lib.models import model_path
 from ..lib.presets import drift_notes
 
@@ -124,13 +124,9 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows) + drift_notes(drift)
 
 
-register(Experiment(
-    name="fidelity_presets",
-    summary="prompt fidelity of every preset and single-knob ablation (built-in prompts), side by side",
-    settings=Settings,
-    configs={"smollm2": Settings(),
-             "qwen-coder": Settings(model="qwen-coder"),
-             "smoke": Settings(only=("noisy",), prompts=2, greedy_tokens=4, seed=21)},
-    run=run, report=report, docs=("docs/design.md", "docs/accuracy.md"),
-    notes="smollm2: ~25 obfuscations of SmolLM2, an hour or more on 2 threads",
-))
+SUMMARY = "prompt fidelity of every preset and single-knob ablation (built-in prompts), side by side"
+CONFIGS = {"smollm2": Settings(),
+           "qwen-coder": Settings(model="qwen-coder"),
+           "smoke": Settings(only=("noisy",), prompts=2, greedy_tokens=4, seed=21)}
+DOCS = ("docs/design.md", "docs/accuracy.md")
+NOTES = "smollm2: ~25 obfuscations of SmolLM2, an hour or more on 2 threads"

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.attack_targets import print_entry, run_attack
 
 OBF_SEED = 1234
@@ -281,20 +281,16 @@ def report(store: ResultStore) -> str:
     return render(entries)
 
 
-register(Experiment(
-    name="finetune_attack",
-    summary="does a private LoRA fine-tune hide the prompts from attacks that use the public base model? "
-            "(fine-tune minutes; attacks minutes to an hour per checkpoint)",
-    settings=Settings,
-    configs={
-        # docs/security.md "A private fine-tune": the lossless obfuscation of checkpoints 0, 3 and 10
-        "lossless": Settings(),
-        # ... and the noisy obfuscation of checkpoint 10
-        "noisy-10": Settings(steps=(10,), settings=("noisy",), attacks=("vma@ci", "isa_anchor@ci")),
-        # a check that the path runs: one fine-tuning step saved as a checkpoint, obfuscated, VMA on 5 prompts
-        "smoke": Settings(steps=(1,), eval_blocks=1, eval_prompts=2, attacks=("vma@ci",), prompts=5),
-    },
-    default_config="lossless",
-    run=run, report=report, docs=("docs/security.md",),
-    notes="CPU; the fine-tune uses finetune_threads, the attacks threads",
-))
+SUMMARY = ("does a private LoRA fine-tune hide the prompts from attacks that use the public base model? "
+           "(fine-tune minutes; attacks minutes to an hour per checkpoint)")
+CONFIGS = {
+    # docs/security.md "A private fine-tune": the lossless obfuscation of checkpoints 0, 3 and 10
+    "lossless": Settings(),
+    # ... and the noisy obfuscation of checkpoint 10
+    "noisy-10": Settings(steps=(10,), settings=("noisy",), attacks=("vma@ci", "isa_anchor@ci")),
+    # a check that the path runs: one fine-tuning step saved as a checkpoint, obfuscated, VMA on 5 prompts
+    "smoke": Settings(steps=(1,), eval_blocks=1, eval_prompts=2, attacks=("vma@ci",), prompts=5),
+}
+DEFAULT_CONFIG = "lossless"
+DOCS = ("docs/security.md",)
+NOTES = "CPU; the fine-tune uses finetune_threads, the attacks threads"

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -225,13 +225,9 @@ def report(store: ResultStore) -> str:
     return table(store.entries())
 
 
-register(Experiment(
-    name="fp8_fidelity",
-    summary="what emulated FP8 (weights, W8A8) costs the obfuscated model against the plaintext one, per key",
-    settings=Settings,
-    configs={"smollm2": Settings(),
-             "qwen-coder": Settings(model="qwen-coder", keys=2),
-             "smoke": Settings(settings=("exact_h0_outlier4",), keys=1, texts=1)},
-    run=run, report=report, docs=("docs/fp8.md",),
-    notes="smollm2: 6 obfuscations of SmolLM2 and 4 emulations each, tens of minutes on 2 threads",
-))
+SUMMARY = "what emulated FP8 (weights, W8A8) costs the obfuscated model against the plaintext one, per key"
+CONFIGS = {"smollm2": Settings(),
+           "qwen-coder": Settings(model="qwen-coder", keys=2),
+           "smoke": Settings(settings=("exact_h0_outlier4",), keys=1, texts=1)}
+DOCS = ("docs/fp8.md",)
+NOTES = "smollm2: 6 obfuscations of SmolLM2 and 4 emulations each, tens of minutes on 2 threads"

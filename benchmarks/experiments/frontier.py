@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 SWEEPS = {  # series -> overrides of the `noisy` preset, one dict per point; the series label names the x value
@@ -206,23 +206,19 @@ def report(store: ResultStore) -> str:
     return table(data, model)
 
 
-register(Experiment(
-    name="frontier",
-    summary="privacy-utility frontier: accuracy and attacks on the same obfuscation, one parameter swept at a "
-            "time (minutes per point on SmolLM2, more on Qwen)",
-    settings=Settings,
-    configs={
-        # docs/accuracy.md "Privacy-utility frontier (SmolLM2-135M)"
-        "smollm2-ci": Settings(sweeps=("alpha_e", "alpha_e=alpha_h", "noise_shape=column", "noise_shape=row",
-                                       "alpha_h")),
-        # docs/accuracy.md "Privacy-utility frontier (Qwen2.5-Coder-0.5B-Instruct)"
-        "qwen-coder-ci": Settings(model="qwen-coder", attacks=("gate-ia", "nn"), sweeps=("alpha_e=alpha_h",),
-                                  values=(0.1, 0.2, 0.3, 0.5, 0.7, 1.0)),
-        # a check that the path runs: one point (no noise), NN only, 5 + 5 prompts
-        "smoke": Settings(sweeps=("alpha_e",), values=(0.0,), attacks=("nn",), prompts=5, private_prompts=5),
-    },
-    default_config="smollm2-ci",
-    run=run, report=report, docs=("docs/accuracy.md", "docs/security.md"),
-    notes="CPU; report also reads every stored config of attack_behavioural; audit_frontier derives the audit's "
-          "package data from both. The kept results swept the noisy preset of then (lam 0.1, h 128, beta 8)",
-))
+SUMMARY = ("privacy-utility frontier: accuracy and attacks on the same obfuscation, one parameter swept at a "
+           "time (minutes per point on SmolLM2, more on Qwen)")
+CONFIGS = {
+    # docs/accuracy.md "Privacy-utility frontier (SmolLM2-135M)"
+    "smollm2-ci": Settings(sweeps=("alpha_e", "alpha_e=alpha_h", "noise_shape=column", "noise_shape=row",
+                                   "alpha_h")),
+    # docs/accuracy.md "Privacy-utility frontier (Qwen2.5-Coder-0.5B-Instruct)"
+    "qwen-coder-ci": Settings(model="qwen-coder", attacks=("gate-ia", "nn"), sweeps=("alpha_e=alpha_h",),
+                              values=(0.1, 0.2, 0.3, 0.5, 0.7, 1.0)),
+    # a check that the path runs: one point (no noise), NN only, 5 + 5 prompts
+    "smoke": Settings(sweeps=("alpha_e",), values=(0.0,), attacks=("nn",), prompts=5, private_prompts=5),
+}
+DEFAULT_CONFIG = "smollm2-ci"
+DOCS = ("docs/accuracy.md", "docs/security.md")
+NOTES = ("CPU; report also reads every stored config of attack_behavioural; audit_frontier derives the audit's "
+         "package data from both. The kept results swept the noisy preset of then (lam 0.1, h 128, beta 8)")

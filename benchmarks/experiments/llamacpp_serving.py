@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -148,9 +148,7 @@ def report(store: ResultStore) -> str:
     return "\n\n".join(out)
 
 
-register(Experiment(
-    name="llamacpp_serving",
-    summary="served TTFT/TPOT on llama.cpp, obfuscated (exact, f32) vs plaintext SmolLM2 (a few minutes)",
-    settings=Settings, configs={"default": Settings()}, run=run, report=report, docs=("docs/serving.md",),
-    notes="needs llama-cpp-python[server] (the `llamacpp` extra)",
-))
+SUMMARY = "served TTFT/TPOT on llama.cpp, obfuscated (exact, f32) vs plaintext SmolLM2 (a few minutes)"
+CONFIGS = {"default": Settings()}
+DOCS = ("docs/serving.md",)
+NOTES = "needs llama-cpp-python[server] (the `llamacpp` extra)"

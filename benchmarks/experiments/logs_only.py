@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 VOLUMES = (1_000, 10_000, 100_000, 1_000_000)
@@ -295,12 +295,8 @@ def report(store: ResultStore) -> str:
     return render(entries) + f"\n\nFigure: results/{store.experiment}/{figure.name}"
 
 
-register(Experiment(
-    name="logs_only",
-    summary="what an observer of the obfuscated id stream alone recovers vs. traffic volume (TFMA; minutes)",
-    settings=Settings,
-    configs={"full": Settings(),
-             "smoke": Settings(volumes=(1_000, 10_000), priors=("fortunes",), prior_tokens=100_000)},
-    run=run, report=report, docs=("docs/security.md",),
-    notes="needs the corpora of docs/data.md; building the 10^6-token stream takes about 1.5 minutes",
-))
+SUMMARY = "what an observer of the obfuscated id stream alone recovers vs. traffic volume (TFMA; minutes)"
+CONFIGS = {"full": Settings(),
+           "smoke": Settings(volumes=(1_000, 10_000), priors=("fortunes",), prior_tokens=100_000)}
+DOCS = ("docs/security.md",)
+NOTES = "needs the corpora of docs/data.md; building the 10^6-token stream takes about 1.5 minutes"

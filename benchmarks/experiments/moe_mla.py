@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, UsageError, register
+from ..lib import ResultStore, UsageError
 from ..lib.provenance import REPO
 # noisy+noiseless: every key-matrix mechanism of `noisy` without the embedding/head noise, to separate the
 # (approximate) RMSNorm handling from the noise
@@ -280,17 +280,13 @@ def report(store: ResultStore) -> str:
     return "\n".join(out)
 
 
-register(Experiment(
-    name="moe_mla",
-    summary="MoE and MLA on random-weight models: fidelity and routing per preset, ablation, router normalisation, "
-            "memory with many experts",
-    settings=Settings,
-    configs={"fidelity": Settings(),
-             "ablation": Settings(archs=("llama", "deepseek_v3", "qwen3_moe"), presets=ABLATION),
-             "normalize": Settings(part="normalize", archs=("mixtral", "qwen3_moe", "deepseek_v3")),
-             "memory": Settings(part="memory"),
-             "smoke": Settings(part="memory", shapes=("L1xE4",))},
-    run=run, report=report, docs=("docs/moe-mla.md",),
-    notes="fidelity: ~30 obfuscations of tiny models, minutes; memory: three checkpoints up to 1.2 GiB, a minute "
-          "or two; fidelity/ablation/normalize need aloepri.testing.tiny",
-))
+SUMMARY = ("MoE and MLA on random-weight models: fidelity and routing per preset, ablation, router normalisation, "
+           "memory with many experts")
+CONFIGS = {"fidelity": Settings(),
+           "ablation": Settings(archs=("llama", "deepseek_v3", "qwen3_moe"), presets=ABLATION),
+           "normalize": Settings(part="normalize", archs=("mixtral", "qwen3_moe", "deepseek_v3")),
+           "memory": Settings(part="memory"),
+           "smoke": Settings(part="memory", shapes=("L1xE4",))}
+DOCS = ("docs/moe-mla.md",)
+NOTES = ("fidelity: ~30 obfuscations of tiny models, minutes; memory: three checkpoints up to 1.2 GiB, a minute "
+         "or two; fidelity/ablation/normalize need aloepri.testing.tiny")

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, UsageError, register
+from ..lib import ResultStore, UsageError
 from ..lib.provenance import REPO
 
 def synthetic_checkpoint(directory: Path, layers: int = 40, d: int = 1024, f: int = 4096, vocab: int = 4096) -> Path:
@@ -151,14 +151,11 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="obfuscation_perf",
-    summary="obfuscation wall time, GFLOP/s against this machine's matmul roofline, peak RSS and time per phase",
-    settings=Settings,
-    configs={"noisy": Settings(),
-             "synthetic-deep": Settings(models=("synthetic-deep",)),
-             "smoke": Settings(models=("smollm2",), probe_every=0)},
-    run=run, report=report, docs=("docs/performance.md",), legacy_configs=("history",),
-    notes="noisy: about a minute idle (Qwen2.5-Coder-0.5B, SmolLM2), much more on a loaded machine; the figures "
-          "depend on the machine and its load (recorded per entry)",
-))
+SUMMARY = "obfuscation wall time, GFLOP/s against this machine's matmul roofline, peak RSS and time per phase"
+CONFIGS = {"noisy": Settings(),
+           "synthetic-deep": Settings(models=("synthetic-deep",)),
+           "smoke": Settings(models=("smollm2",), probe_every=0)}
+DOCS = ("docs/performance.md",)
+LEGACY_CONFIGS = ("history",)
+NOTES = ("noisy: about a minute idle (Qwen2.5-Coder-0.5B, SmolLM2), much more on a loaded machine; the figures "
+         "depend on the machine and its load (recorded per entry)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -79,10 +79,6 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="perturb_effect",
-    summary="online token perturbation on SmolLM2: tokens replaced, greedy replies unchanged, eps_1 (minutes)",
-    settings=Settings,
-    configs={"full": Settings(), "smoke": Settings(eps_tok=(1e9, 40.0), prompts=2, greedy_tokens=8)},
-    run=run, report=report, docs=("docs/accuracy.md",),
-))
+SUMMARY = "online token perturbation on SmolLM2: tokens replaced, greedy replies unchanged, eps_1 (minutes)"
+CONFIGS = {"full": Settings(), "smoke": Settings(eps_tok=(1e9, 40.0), prompts=2, greedy_tokens=8)}
+DOCS = ("docs/accuracy.md",)

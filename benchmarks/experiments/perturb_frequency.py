@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -97,12 +97,8 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="perturb_frequency",
-    summary="token perturbation vs TFMA and SDA (distribution-aware) on SmolLM2's vocabulary (minutes per row)",
-    settings=Settings,
-    configs={"ci": Settings(), "small": Settings(budget="small"),
-             "smoke": Settings(attacks=("tfma",), eps_tok=(math.inf, 40.0), prompts=5)},
-    run=run, report=report, docs=("docs/accuracy.md", "docs/security.md"),
-    notes="needs the Debian corpora of docs/data.md",
-))
+SUMMARY = "token perturbation vs TFMA and SDA (distribution-aware) on SmolLM2's vocabulary (minutes per row)"
+CONFIGS = {"ci": Settings(), "small": Settings(budget="small"),
+           "smoke": Settings(attacks=("tfma",), eps_tok=(math.inf, 40.0), prompts=5)}
+DOCS = ("docs/accuracy.md", "docs/security.md")
+NOTES = "needs the Debian corpora of docs/data.md"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -49,10 +49,6 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="privacy_budget",
-    summary="the paper's RmDP epsilon for the bundled models, per preset and eps_1 (seconds)",
-    settings=Settings,
-    configs={"full": Settings(), "smollm2": Settings(models=("smollm2",))},
-    run=run, report=report, docs=("docs/accuracy.md",),
-))
+SUMMARY = "the paper's RmDP epsilon for the bundled models, per preset and eps_1 (seconds)"
+CONFIGS = {"full": Settings(), "smollm2": Settings(models=("smollm2",))}
+DOCS = ("docs/accuracy.md",)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -137,12 +137,8 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="product_precision",
-    summary="error budget of float32 weight products: the same key with float64 and float32 products, vs float64 "
-            "plaintext",
-    settings=Settings,
-    configs={"full": Settings(), "smoke": Settings(models=("smollm2",), presets=("exact",), texts=1)},
-    run=run, report=report, docs=("docs/performance.md",),
-    notes="full: 8 obfuscations (both models, 2 presets x 2 product dtypes), minutes on 2 threads",
-))
+SUMMARY = ("error budget of float32 weight products: the same key with float64 and float32 products, vs float64 "
+           "plaintext")
+CONFIGS = {"full": Settings(), "smoke": Settings(models=("smollm2",), presets=("exact",), texts=1)}
+DOCS = ("docs/performance.md",)
+NOTES = "full: 8 obfuscations (both models, 2 presets x 2 product dtypes), minutes on 2 threads"

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,7 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="product_rounding",
-    summary="do float32 weight products change a 16-bit output? one reader product, float64 vs float32",
-    settings=Settings,
-    configs={"d2048": Settings(rows=1024, d=2048), "d4096": Settings(), "smoke": Settings(rows=64, d=256)},
-    run=run, report=report, docs=("docs/performance.md",),
-    notes="d2048: a minute or two (key generation dominates); d4096: several minutes",
-))
+SUMMARY = "do float32 weight products change a 16-bit output? one reader product, float64 vs float32"
+CONFIGS = {"d2048": Settings(rows=1024, d=2048), "d4096": Settings(), "smoke": Settings(rows=64, d=256)}
+DOCS = ("docs/performance.md",)
+NOTES = "d2048: a minute or two (key generation dominates); d4096: several minutes"

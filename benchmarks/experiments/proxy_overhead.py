@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -206,9 +206,6 @@ def report(store: ResultStore) -> str:
     return "\n".join(out) or "(nothing stored)"
 
 
-register(Experiment(
-    name="proxy_overhead",
-    summary="what the aloepri proxy adds per request and per token, direct vs proxied (a few minutes)",
-    settings=Settings, configs={"default": Settings(), "smoke": Settings(reps=2, tokens=(8, 32), skip_model=True)},
-    run=run, report=report, docs=("docs/serving.md",),
-))
+SUMMARY = "what the aloepri proxy adds per request and per token, direct vs proxied (a few minutes)"
+CONFIGS = {"default": Settings(), "smoke": Settings(reps=2, tokens=(8, 32), skip_model=True)}
+DOCS = ("docs/serving.md",)

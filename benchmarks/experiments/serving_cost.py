@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 from ..lib.provenance import REPO
 
@@ -303,9 +303,6 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows) if len(rows) > 2 else "(no engine results stored)"
 
 
-register(Experiment(
-    name="serving_cost",
-    summary="served TTFT/TPOT of obfuscated vs plaintext on llama.cpp and vLLM, per width h (tens of minutes)",
-    settings=Settings, configs=CONFIGS, run=run, report=report, docs=("docs/serving.md",),
-    notes="needs llama-cpp-python[server] for llamacpp and the .venv-vllm interpreter for vllm",
-))
+SUMMARY = "served TTFT/TPOT of obfuscated vs plaintext on llama.cpp and vLLM, per width h (tens of minutes)"
+DOCS = ("docs/serving.md",)
+NOTES = "needs llama-cpp-python[server] for llamacpp and the .venv-vllm interpreter for vllm"

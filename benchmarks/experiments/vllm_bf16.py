@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -233,9 +233,6 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="vllm_bf16",
-    summary="bf16/f16 serving loss of obfuscated vs plaintext models on vLLM and transformers (up to ~1 h)",
-    settings=Settings, configs=CONFIGS, run=run, report=report, docs=("docs/serving.md",),
-    notes="needs the .venv-vllm interpreter for the vllm engine",
-))
+SUMMARY = "bf16/f16 serving loss of obfuscated vs plaintext models on vLLM and transformers (up to ~1 h)"
+DOCS = ("docs/serving.md",)
+NOTES = "needs the .venv-vllm interpreter for the vllm engine"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lib import Experiment, ResultStore, register
+from ..lib import ResultStore
 from ..lib.models import model_path
 
 
@@ -92,14 +92,10 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-register(Experiment(
-    name="vma_gate",
-    summary="vocabulary matching on embed x gate products (weights only, no key) per preset (minutes per variant)",
-    settings=Settings,
-    configs={"full": Settings(),
-             # lambda 0 vs 0.1 with the RoPE block permutation (beta 8), the then-default's other mechanisms
-             "lambda": Settings(variants=("exact", "noisy_beta8_lam0=noisy:beta=8",
-                                          "noisy_beta8_lam01=noisy:lam=0.1,beta=8")),
-             "smoke": Settings(variants=("noisy",), layers=1, queries=100)},
-    run=run, report=report, docs=("docs/design.md",),
-))
+SUMMARY = "vocabulary matching on embed x gate products (weights only, no key) per preset (minutes per variant)"
+CONFIGS = {"full": Settings(),
+           # lambda 0 vs 0.1 with the RoPE block permutation (beta 8), the then-default's other mechanisms
+           "lambda": Settings(variants=("exact", "noisy_beta8_lam0=noisy:beta=8",
+                                        "noisy_beta8_lam01=noisy:lam=0.1,beta=8")),
+           "smoke": Settings(variants=("noisy",), layers=1, queries=100)}
+DOCS = ("docs/design.md",)

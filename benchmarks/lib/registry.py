@@ -1,6 +1,7 @@
 """Experiments registered by name: what they measure, their typed settings, named configs, run and report.
 
-An experiment module in ``benchmarks/experiments/`` calls ``register(Experiment(...))`` at import time. A config
+An experiment is a module in ``benchmarks/experiments/``, registered under the module's name from its
+module-level declarations (``from_module``). A config
 is a named instance of the experiment's settings dataclass; ``--set FIELD=VALUE`` overrides are parsed by that
 dataclass's field types and must be saved under a new config name (``--save-as``), so a config name always
 means the same settings.
@@ -62,12 +63,29 @@ def register(experiment: Experiment) -> Experiment:
     return experiment
 
 
+def from_module(module) -> Experiment:
+    """The experiment a module of ``benchmarks/experiments`` declares: its name is the module's, and its parts are
+    module-level names -- ``Settings`` (dataclass), ``CONFIGS``, ``run``, ``report``, ``SUMMARY``, and optionally
+    ``DEFAULT_CONFIG``, ``DOCS``, ``NOTES``, ``LEGACY_CONFIGS``."""
+    name = module.__name__.rsplit(".", 1)[-1]
+    missing = [a for a in ("Settings", "CONFIGS", "run", "report", "SUMMARY") if not hasattr(module, a)]
+    if missing:
+        raise TypeError(f"experiment module {module.__name__} lacks {', '.join(missing)}")
+    return Experiment(name=name, summary=module.SUMMARY, settings=module.Settings, configs=module.CONFIGS,
+                      run=module.run, report=module.report, default_config=getattr(module, "DEFAULT_CONFIG", None),
+                      docs=tuple(getattr(module, "DOCS", ())), notes=getattr(module, "NOTES", ""),
+                      legacy_configs=tuple(getattr(module, "LEGACY_CONFIGS", ())))
+
+
 def _discover() -> None:
     from .. import experiments
 
     for mod in pkgutil.iter_modules(experiments.__path__):
-        if not mod.name.startswith("_"):
-            importlib.import_module(f"{experiments.__name__}.{mod.name}")
+        if mod.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{experiments.__name__}.{mod.name}")
+        if mod.name not in _REGISTRY:
+            register(from_module(module))
 
 
 def all_experiments() -> dict[str, Experiment]:
