@@ -117,6 +117,16 @@ def report(store: ResultStore) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _frame(ax, xlabel: str, title: str, legend_loc: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("worst-attack TTRSR (50 PII prompts)")
+    ax.set_title(title)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc=legend_loc)
+
+
 def plot(model_name: str, pts: dict, presets: list, frontier: list, png) -> None:
     import matplotlib
 
@@ -144,14 +154,9 @@ def plot(model_name: str, pts: dict, presets: list, frontier: list, png) -> None
         ax.plot([p[0] for p in xs], [p[1] for p in xs], "o-", c=color, label=method)
         for x, y, eps in xs:
             ax.annotate(f"{eps:g}", (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points", color=color)
-    ax.set_xlabel("top-1 agreement with the plaintext model (built-in prompts;\n"
-                  "baselines: from the first perturbed position on)")
-    ax.set_ylabel("worst-attack TTRSR (50 PII prompts)")
-    ax.set_title(f"{model_name}: accuracy vs privacy (eps annotated)")
-    ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    _frame(ax, "top-1 agreement with the plaintext model (built-in prompts;\n"
+               "baselines: from the first perturbed position on)", f"{model_name}: accuracy vs privacy (eps annotated)",
+           "lower right")
     if he_pts:
         ax = axes[0][-1]
         for i, p in enumerate(presets):
@@ -165,13 +170,8 @@ def plot(model_name: str, pts: dict, presets: list, frontier: list, png) -> None
         for key, e in he_pts.items():
             ax.scatter([e["humaneval"]["pass@1"]], [e["privacy"]["worst_ttrsr"]], c=COLORS.get(e["method"], "black"),
                        label=key)
-        ax.set_xlabel("HumanEval pass@1 (CI subset, 20 problems, greedy)")
-        ax.set_ylabel("worst-attack TTRSR (50 PII prompts)")
-        ax.set_title(f"{model_name}: task accuracy vs privacy")
-        ax.set_xlim(-0.02, 1.02)
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
+        _frame(ax, "HumanEval pass@1 (CI subset, 20 problems, greedy)", f"{model_name}: task accuracy vs privacy",
+               "upper left")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
