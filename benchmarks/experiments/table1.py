@@ -170,9 +170,10 @@ def report(store: ResultStore) -> str:
                     f"{fmt(p['worst_cossim'])} | {fmt(p['top1'])} / {fmt(p['top1'])} | {fmt(p['mean_kl'])} | "
                     + (f"{paper_aloepri} | {_paper_acc('aloepri')} |" if j == 0 else " | |"))
     out = [f"### Table 1 on {s.model} (ours) beside the paper's Table 1 (Qwen2.5-14B-Instruct)", "", *head, *rows, "",
-           "Bold: the worst attack per method. Ours: 50 Faker-PII prompts (seed 0), fidelity on the 20 built-in chat "
-           "prompts; the paper's columns are quoted from its Table 1 and measure task accuracy on another model. "
-           "aloepri rows: the stored attack suite (known-pair ridge excluded) and fidelity results."]
+           f"Bold: the worst attack per method. Ours: {s.prompts} Faker-PII prompts (seed 0), IMA budget {s.budget}, "
+           "fidelity on the 20 built-in chat prompts; the paper's columns are quoted from its Table 1 and measure task "
+           "accuracy on another model. aloepri rows: the stored attack suite (known-pair ridge excluded) and "
+           "fidelity results."]
     sgt = store.get("sgt")
     if sgt:
         t = sgt["mechanism"]["training"]
