@@ -189,7 +189,9 @@ def test_dp_forward_hidden_layer_needs_a_clip_norm(tiny_dir):
     with pytest.raises(ValueError, match="clip_norm"):
         make_method("dp-forward", model, 5.0, layer=1)
     with pytest.raises(ValueError, match="unknown baseline"):
-        make_method("sgt", model, 5.0)
+        make_method("nonesuch", model, 5.0)
+    with pytest.raises(ValueError, match="sgt_params"):
+        make_method("sgt", model, None)
     from aloepri.runtime.probe import layer_states
     from aloepri.baselines.dp_forward import observed_states
 
@@ -203,6 +205,109 @@ def test_dp_forward_hidden_layer_needs_a_clip_norm(tiny_dir):
                   text_metrics=False)
     # position 0 attends to itself only, so its layer-1 state is the single-token state NN compares against
     assert out["nn"]["ttrsr"] >= 1 / len(data.plain_ids[0])
+
+
+# --- SGT --------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_sgt(model, steps=1, **kw):
+    from aloepri.baselines.sgt import SGTConfig, train_sgt, train_stream
+
+    cfg = SGTConfig(width=8, heads=2, steps=steps, batch=2, seq_len=8, **kw)
+    stream, _ = train_stream(None, 2000, 0, model.config.vocab_size)
+    return train_sgt(model, stream, cfg)
+
+
+def test_sgt_shapes_noise_is_applied_and_save_load_round_trips(tiny_dir, tmp_path):
+    from aloepri.baselines.dp_forward import observed_states
+    from aloepri.baselines.sgt import SGT
+
+    model = _tiny_llama(tiny_dir)
+    mech = _tiny_sgt(model)
+    emb = model.get_input_embeddings().weight.detach().float()
+    x = emb[:10]
+    mean, std = mech.generator(x)
+    assert mean.shape == x.shape and std.shape == x.shape and (std > 0).all()
+    batched = mech.generator(torch.stack([x, x]))[0]
+    assert batched.shape == (2, 10, x.shape[1]) and torch.allclose(batched[0], mean, atol=1e-5)
+    a = mech.privatize(x, torch.Generator().manual_seed(1))
+    b = mech.privatize(x, torch.Generator().manual_seed(1))
+    c = mech.privatize(x, torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.allclose(a, c)  # seeded, and fresh noise per draw
+    assert (a - x).norm(dim=1).min() > 0.1 * x.norm(dim=1).mean()  # the sent vectors really differ
+    # the server-side view: observed states are the embeddings plus the noise
+    data = _tiny_data(model.config.vocab_size, n=1)
+    seen = observed_states(model, mech, data.plain_ids, seed=0)[0]
+    assert seen.shape == (len(data.plain_ids[0]), x.shape[1]) and not torch.allclose(seen, emb[data.plain_ids[0]])
+    path = mech.save(tmp_path / "sgt.pt")
+    back = make_method("sgt", model, None, sgt_params=str(path))
+    assert isinstance(back, SGT) and back.config == mech.config and back.facts == mech.facts
+    assert torch.equal(back.privatize(x, torch.Generator().manual_seed(1)), a)
+    wrong = mech.generator.inp.in_features + 1
+    with pytest.raises(ValueError, match="embedding width"):
+        SGT.load(path, _EmbeddingOnly(wrong))
+
+
+class _EmbeddingOnly:
+    def __init__(self, d):
+        self._emb = torch.nn.Embedding(4, d)
+
+    def get_input_embeddings(self):
+        return self._emb
+
+
+def _tiny_llama(tiny_dir):
+    from aloepri.runtime.inference import load_plain_model
+
+    return load_plain_model(tiny_dir("llama"), dtype=torch.float32)
+
+
+def test_sgt_training_lowers_its_loss_and_leaves_the_model_alone(tiny_dir):
+    from aloepri.baselines.sgt import SGTConfig
+
+    model = _tiny_llama(tiny_dir)
+    before = [p.detach().clone() for p in model.parameters()]
+    # a utility-only objective from large initial noise: training must shrink the noise and the KL
+    mech = _tiny_sgt(model, steps=60, lr=3e-2, init_log_std=1.0, coefficients=(1.0, 0.0, 0.0, 0.0))
+    first, last = mech.facts["loss_first"], mech.facts["loss_last"]
+    assert last["total"] < 0.7 * first["total"], (first, last)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the served model is frozen
+    assert all(p.requires_grad for p in model.parameters())  # and its flags restored
+    # the paper's coefficients: the |cos| term dominates and training lowers it
+    paper = _tiny_sgt(model, steps=60, lr=3e-2)
+    assert paper.config.coefficients == (1.0, 3e-5, 30.0, 1.0)
+    assert paper.facts["loss_last"]["abs_cos"] < paper.facts["loss_first"]["abs_cos"]
+    with pytest.raises(ValueError, match="divisible"):
+        SGTConfig(width=10, heads=4)
+
+
+def test_sgt_attacks_and_fidelity_run_end_to_end(tiny_dir):
+    model = _tiny_llama(tiny_dir)
+    data = _tiny_data(model.config.vocab_size)
+    mech = _tiny_sgt(model)
+    out = privacy(mech, model, None, data, seed=0, budget="ci", text_metrics=False)
+    assert set(out) >= {"nn", "ima", "worst_ttrsr"} and 0.0 <= out["worst_ttrsr"] <= 1.0
+    prompts = [(ids, list(range(len(ids)))) for ids in data.plain_ids]
+    f = fidelity(mech, model, prompts, seed=0)
+    assert f["top1_agreement"] < 1.0 and f["mean_kl"] > 0  # the noise reaches the model
+    # a generator that adds (almost) nothing: NN recovers every token and fidelity is perfect (positive control)
+    for w in (mech.generator.mean.weight, mech.generator.mean.bias, mech.generator.log_std.weight):
+        torch.nn.init.zeros_(w)
+    torch.nn.init.constant_(mech.generator.log_std.bias, -12.0)
+    quiet = privacy(mech, model, None, data, seed=0, attacks=("nn",), text_metrics=False)
+    assert quiet["nn"]["ttrsr"] == 1.0
+    assert fidelity(mech, model, prompts, seed=0)["top1_agreement"] == 1.0
+
+
+def test_cli_baseline_sgt_and_eps_are_validated_in_one_line(tmp_path, capsys):
+    from aloepri.cli import main
+
+    assert main(["baseline", "sgt", "--plain", "x.gguf"]) == 2
+    assert "--sgt-params" in capsys.readouterr().err
+    assert main(["baseline", "sgt", "--plain", "x.gguf", "--sgt-params", str(tmp_path / "none.pt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["baseline", "santext", "--plain", "x.gguf"]) == 2  # --eps is required for the others
+    assert "--eps" in capsys.readouterr().err
 
 
 @pytest.mark.slow

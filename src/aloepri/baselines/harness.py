@@ -6,7 +6,8 @@ through aloepri.eval.humaneval's prompt format, greedy decoding and sandbox.
 What the server (attacker) sees:
 - SANTEXT / RANTEXT: the perturbed token ids in plaintext -> "direct observation": a position is recovered iff
   its token survived (TTRSR = survival rate, the paper's Table 1 convention).
-- DP-Forward: the noisy states -> NN and IMA inversions (dp_forward.py); the worst of the two is reported.
+- DP-Forward and SGT: the noisy states (SGT: noisy input embeddings) -> NN and IMA inversions (dp_forward.py);
+  the worst of the two is reported.
 Perturbation is applied to the user's own text only (chat-template tokens are public), or, for DP-Forward, to the
 whole prompt's states (the mechanism privatises the matrix it sends).
 """
@@ -23,16 +24,24 @@ import torch.nn.functional as F
 
 from ..runtime.probe import single_token_states
 from .dp_forward import DPForward, ima_inversion, nn_inversion, noisy_prefill, observed_states
+from .sgt import SGT
 from .token_substitution import RanText, SanText, TokenSubstitution, fresh_seed
 
-METHODS = ("santext", "rantext", "dp-forward", "dp-forward-paper")
+METHODS = ("santext", "rantext", "dp-forward", "dp-forward-paper", "sgt")
+# Mechanisms that send noisy states (``layer``, ``privatize``) rather than substituted token ids.
+STATE_NOISE = (DPForward, SGT)
 # The AloePri paper's appendix (Table 1 settings): SANTEXT eps 3, RANTEXT eps 30, DP-Forward eps 5 (delta assumed 1e-5).
 PAPER_EPS = {"santext": 3.0, "rantext": 30.0, "dp-forward": 5.0, "dp-forward-paper": 5.0}
 
 
-def make_method(name: str, model, eps: float, delta: float = 1e-5, layer: int | None = None,
-                clip_norm: float | None = None, normalize: bool = False):
-    """A baseline mechanism for ``model`` by name (see METHODS)."""
+def make_method(name: str, model, eps: float | None, delta: float = 1e-5, layer: int | None = None,
+                clip_norm: float | None = None, normalize: bool = False, sgt_params: str | None = None):
+    """A baseline mechanism for ``model`` by name (see METHODS). SGT has no epsilon: it is the trained generator
+    saved at ``sgt_params`` (aloepri.baselines.sgt.train_sgt)."""
+    if name == "sgt":
+        if sgt_params is None:
+            raise ValueError("sgt needs the trained generator's file (sgt_params)")
+        return SGT.load(sgt_params, model)
     if name == "santext":
         return SanText.from_model(model, eps, normalize)
     if name == "rantext":
@@ -64,7 +73,7 @@ def privacy(method, model, tokenizer, data, seed: int, budget: str = "small", te
         out["direct-observation"] = {**_score(tokenizer, data, observed, text_metrics),
                                      "uses": "the perturbed plaintext ids the server receives",
                                      "seconds": time.perf_counter() - t0}
-    elif isinstance(method, DPForward):
+    elif isinstance(method, STATE_NOISE):
         noisy = observed_states(model, method, data.plain_ids, seed)
         if "nn" in attacks:
             table = single_token_states(model, method.layer)
