@@ -106,8 +106,10 @@ def run_model(model: str, preset: str, threads: int, probe_every: int, omp_wait_
         r["fraction_of_float32_roofline"] = r["gflops_achieved"] / r["float32_roofline_gflops"]
     r["matmul_seconds_at_roofline"] = r["flops"] / (r["roofline_gflops"] * 1e9)
     r["omp_wait_policy"] = omp_wait_policy or "default"
-    # share of the machine's cores the run kept busy: CPU time minus the probes' (their wall time x threads)
-    busy = r["cpu"]["user_seconds"] + r["cpu"]["sys_seconds"] - r["cpu"]["probe_wall_seconds"] * threads
+    # share of the machine's cores the run kept busy: CPU time minus the probes' (measured; runs before the
+    # measurement took their wall time x threads, which a loaded machine does not give a probe)
+    probes_cpu = r["cpu"].get("probe_cpu_seconds", r["cpu"]["probe_wall_seconds"] * threads)
+    busy = r["cpu"]["user_seconds"] + r["cpu"]["sys_seconds"] - probes_cpu
     r["cpu_utilisation"] = busy / (r["wall_seconds"] * threads)
     r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
     r["baseline_rss_mib"] = r["rss_before_kib"] / 1024

@@ -117,15 +117,19 @@ class Roofline:
         self.float64: list[float] = []
         self.float32: list[float] = []  # before and after only: the products of noisy presets run in float32
         self.seconds = 0.0  # the float64 probes' wall time, taken out of the obfuscation's
+        # and their CPU time (this process's, so it includes what the pipeline's worker threads did meanwhile),
+        # taken out of its CPU time: on a loaded machine a probe gets less than its threads x its wall time
+        self.cpu_seconds = 0.0
 
     def probe(self) -> float:
         import torch
 
-        t = time.perf_counter()
+        cpu, t = _cpu_seconds(), time.perf_counter()
         torch.matmul(self.a, self.b, out=self.c)
         dt = time.perf_counter() - t
         self.float64.append(2.0 * self.n**3 / dt / 1e9)
         self.seconds += dt
+        self.cpu_seconds += _cpu_seconds() - cpu
         return dt
 
     def probe32(self) -> None:
@@ -207,6 +211,11 @@ def instrumented(generate: Callable, clock: PhaseClock, roofline: Roofline, prob
     return tensors
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def vm_hwm_kib() -> int:
     # VmHWM belongs to this process image (reset by exec); ru_maxrss would inherit the parent's high-water mark
     for line in open("/proc/self/status"):
@@ -233,7 +242,7 @@ def main(argv: list[str]) -> int:
     for _ in range(2):
         roofline.probe()
         roofline.probe32()
-    roofline.seconds = 0.0
+    roofline.seconds = roofline.cpu_seconds = 0.0
     rss_before = vm_hwm_kib()
     load_before = os.getloadavg()[0]
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -248,7 +257,8 @@ def main(argv: list[str]) -> int:
         raise RuntimeError("obfuscate() no longer takes its tensors from pipeline.obfuscated_tensors: the perf child "
                            "measured nothing; update benchmarks/lib/perf_child.py to the pipeline's seam")
     cpu = {"user_seconds": cpu1.ru_utime - cpu0.ru_utime, "sys_seconds": cpu1.ru_stime - cpu0.ru_stime,
-           "minor_faults": cpu1.ru_minflt - cpu0.ru_minflt, "probe_wall_seconds": roofline.seconds}
+           "minor_faults": cpu1.ru_minflt - cpu0.ru_minflt, "probe_wall_seconds": roofline.seconds,
+           "probe_cpu_seconds": roofline.cpu_seconds}
     for _ in range(2):
         roofline.probe()
         roofline.probe32()
