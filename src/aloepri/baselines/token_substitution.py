@@ -11,8 +11,8 @@ distance scale is the embedding's, an epsilon does not transfer between models (
 SANTEXT (Yue et al., "Differential Privacy for Text Analytics via Natural Text Sanitization", Findings of ACL
 2021): p(y | x) proportional to exp(-eps/2 * d(x, y)) over the whole vocabulary. By the triangle inequality
 |d(x, y) - d(x', y)| <= d(x, x'), and the normaliser moves by the same factor, so for every output y
-p(y | x) / p(y | x') <= exp(eps * d(x, x')): eps * d-metric local DP (tests/test_baselines.py checks the bound
-on the computed distributions).
+p(y | x) / p(y | x') <= exp(eps * d(x, x')): eps * d-metric local DP (tests/baselines/test_baselines.py checks the
+bound on the computed distributions).
 
 SANTEXT+ (same paper): a sensitive-token set V_S (Yue et al.: the rarest w fraction of words) is always
 sanitised; every other token is kept with probability 1 - p and sanitised with probability p, by the same

@@ -1,8 +1,8 @@
 """Inference engines as servers in their own process, for tests and experiments: llama-cpp-python's and vLLM's
 OpenAI servers on a free loopback port, each in its own process group that is always stopped as a whole.
 
-One harness for both callers: the tests (tests/test_proxy.py, tests/test_vllm.py) and the serving experiments
-(benchmarks/experiments/serving_cost.py, llamacpp_serving.py, vllm_bf16.py)."""
+One harness for both callers: the tests (tests/serving/test_proxy.py, tests/serving/test_vllm.py) and the serving
+experiments (benchmarks/experiments/serving_cost.py, llamacpp_serving.py, vllm_bf16.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,7 @@
 """Tiny random-weight float64 checkpoints of every supported architecture, built with stock classes.
 
-Every registered ArchSpec has at least one entry in TINY_ARCHS (tests/test_arch_conformance.py fails otherwise):
-a new architecture comes with its tiny model here. Tests and benchmarks import them from this module."""
+Every registered ArchSpec has at least one entry in TINY_ARCHS (tests/obfuscation/test_arch_conformance.py fails
+otherwise): a new architecture comes with its tiny model here. Tests and benchmarks import them from this module."""
 from __future__ import annotations
 
 from pathlib import Path

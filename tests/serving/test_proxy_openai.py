@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")
 
 MODEL = "server"  # serve-local lists the directory's name; the proxy shows the upstream's
 PROMPT = [5, 17, 33, 40, 8, 61]
-DOC = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 class ToolTokenizer(CharTokenizer):

@@ -21,7 +21,7 @@ from aloepri.eval.fidelity import perplexity_pair
 from aloepri.eval.fidelity import compare
 from aloepri.runtime.inference import load_obfuscated_model, load_plain_model
 from aloepri.storage.devices import DeviceError, resolve_device
-from test_attacks_weights import IdTokenizer  # the tiny models ship no tokenizer: text metrics need a stand-in
+from attack_helpers import IdTokenizer  # the tiny models ship no tokenizer: text metrics need a stand-in
 
 TEMPLATE = ([1, 10, 11, 12], [13, 14, 15])  # stand-in chat template (the tiny models ship no tokenizer)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -16,7 +16,7 @@ from benchmarks.lib.fields import parse_assignments
 from benchmarks.lib.store import RESULTS
 from benchmarks.lib.variants import parse_variant
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_experiment_is_well_formed_and_reports_its_stored_results():

@@ -34,7 +34,7 @@ openai = pytest.importorskip("openai")
 
 QUESTIONS = ["What is the capital of France?", "Name the three primary colors."]
 MAX_TOKENS = 24
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("ALOEPRI_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
 
 

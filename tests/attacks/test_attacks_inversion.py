@@ -1,5 +1,6 @@
-"""State-inversion (ISA), learned inversion (IMA) and substitution deciphering (SDA): positive controls on weak
-targets built from tiny random models, plus the math they rest on. Budgets are the `ci` ones (seconds)."""
+"""State-inversion (ISA: hidden, attention, and through an anchor-fitted map), learned inversion (IMA) and
+substitution deciphering (SDA): positive controls on weak targets built from tiny random models, negative controls
+where an attack could pass by reading the key, plus the math they rest on. Budgets are the `ci` ones (seconds)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,8 @@ import aloepri
 from aloepri.attacks.base import REGISTRY, AttackTarget, Budget, PrivateData, unprotected_target
 from aloepri.attacks.decipher import SDAConfig, encode_cipher, frequency_ranks, recurrence_index, sda_attack
 from aloepri.attacks.ima import IMAConfig, run_ima
-from aloepri.attacks.isa import (ISAConfig, attention_cost, hidden_invariants, isa_attention_attack, isa_hidden_attack,
-                                 solve_head_assignment)
+from aloepri.attacks.isa import (AnchorMapConfig, ISAConfig, attention_cost, hidden_invariants, isa_anchor_attack,
+                                 isa_attention_attack, isa_hidden_attack, solve_head_assignment)
 from aloepri.runtime.probe import layer_states
 
 CI = Budget.named("ci")
@@ -30,6 +31,23 @@ def tiny_exact(tiny_dir, tmp_path_factory):
     return AttackTarget(src, work / "server", work / "client.key")
 
 
+@pytest.fixture(scope="module")
+def exact_h(tiny_dir, tmp_path_factory):
+    """Tiny llama obfuscated with the exact preset and a chosen expansion h, one per h."""
+    cache = {}
+
+    def make(h: int) -> AttackTarget:
+        if h not in cache:
+            src = tiny_dir("llama")
+            work = tmp_path_factory.mktemp(f"anchor-h{h}")
+            aloepri.obfuscate(src, work / "server", work / "client.key", aloepri.resolve_params("exact", h=h),
+                              seed=11, allow_weak_seed=True, progress=False)
+            cache[h] = AttackTarget(src, work / "server", work / "client.key")
+        return cache[h]
+
+    return make
+
+
 def _random_prompts(n: int, length: int, vocab: int, seed: int) -> PrivateData:
     rng = np.random.default_rng(seed)
     ids = [rng.integers(3, vocab, size=length).tolist() for _ in range(n)]
@@ -37,8 +55,7 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int) -> PrivateData:
 
 
 def test_registered():
-
-    assert {"isa_hidden", "isa_attention", "ima", "ima_oracle", "sda"} <= set(REGISTRY)
+    assert {"isa_hidden", "isa_attention", "isa_anchor", "ima", "ima_oracle", "sda"} <= set(REGISTRY)
 
 
 def test_hidden_invariants_survive_the_exact_key(tiny_exact):
@@ -123,6 +140,53 @@ def test_exhaustive_attention_proposal_decodes_through_a_head_permutation(tiny_e
         cands = exhaustive_attention_candidates(qk, attn[0][0], k=4)
         assert cands.shape == (12, 4)
         assert (cands[:, 0] == torch.tensor(ids)).float().mean() >= 0.9, (cands[:, 0].tolist(), ids)
+
+
+PLAIN_ANCHORS = [0, 1, 2, 5, 7, 11]  # six known tokens, as a chat template and special ids would give
+# a 96-token vocabulary: the candidate list is exhaustive (a random tiny model's codebook ranks poorly, see
+# test_isa_hidden_codebook_on_unprotected); this checks the map and the mechanics. SmolLM2 numbers: docs/expansion.md.
+ANCHOR_CFG = ISAConfig(layer=1, steps=0, refine_k=96, refine_sweeps=1, max_prompts=2, max_len=10)
+
+
+def _anchors(target: AttackTarget, plain_ids) -> list[tuple[int, int]]:
+    return [(int(target.key.permutation[p]), int(p)) for p in plain_ids]
+
+
+@pytest.mark.parametrize("h", [2, 64])
+def test_isa_anchor_positive_control_through_the_exact_key(exact_h, h):
+    """isa_anchor: hidden-state ISA through a linear map fitted on anchor pairs; on the exact key (any h) the map is
+    exact and the prompts are recovered."""
+    target = exact_h(h)
+    assert target.obf_model.config.hidden_size > target.plain_model.config.hidden_size
+    data = _random_prompts(2, 10, target.vocab_size, seed=3)
+    res = isa_anchor_attack(target, data, CI, seed=0, cfg=ANCHOR_CFG, anchors=_anchors(target, PLAIN_ANCHORS))
+    assert res.attack == "isa_anchor"
+    assert res.ttrsr >= 0.9, res.metrics
+    assert res.metrics["map_relative_error_on_victim_states"] < 1e-3, res.metrics
+    assert res.metrics["vocab_recovery_from_mapped_embedding"] >= 0.9, res.metrics
+    m = res.budget["map"]
+    assert m["anchor_pairs"] == len(PLAIN_ANCHORS) and m["obf_width"] == target.obf_model.config.hidden_size
+    assert "no key" in res.uses
+
+
+def test_isa_anchor_fails_with_wrong_anchors(exact_h):
+    """Negative control: the same six obfuscated ids paired with the wrong plaintext tokens give a map that does
+    not carry the victim's states (and recovers almost nothing)."""
+    target = exact_h(2)
+    data = _random_prompts(2, 10, target.vocab_size, seed=3)
+    right = _anchors(target, PLAIN_ANCHORS)
+    wrong = [(o, p) for (o, _), p in zip(right, PLAIN_ANCHORS[1:] + PLAIN_ANCHORS[:1])]
+    res = isa_anchor_attack(target, data, CI, seed=0, cfg=ANCHOR_CFG, anchors=wrong,
+                            map_cfg=AnchorMapConfig(contexts=16, context_len=32))
+    assert res.metrics["map_relative_error_on_victim_states"] > 0.1, res.metrics
+    assert res.metrics["vocab_recovery_from_mapped_embedding"] < 0.5, res.metrics
+
+
+def test_isa_anchor_needs_anchors(exact_h):
+    target = exact_h(2)
+    with pytest.raises(ValueError, match="anchor"):
+        isa_anchor_attack(target, _random_prompts(1, 4, target.vocab_size, 1), CI, cfg=ANCHOR_CFG,
+                          anchors=_anchors(target, [0]))
 
 
 def test_ima_positive_controls_and_own_keys(tiny_exact):

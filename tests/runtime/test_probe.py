@@ -64,3 +64,17 @@ def test_layer_states_agree_with_the_full_forward(llama):
     alone = single_token_states(llama, 1, batch=7)  # batches that do not divide the vocabulary
     assert torch.allclose(alone[5].double(), layer_states(llama, 1, input_ids=torch.tensor([[5]]))[0, 0], atol=1e-6)
     assert len(alone) == llama.config.vocab_size
+
+
+def test_residual_streams_survive_an_earlier_attention_run(tiny_dir):
+    """The attention ISA runs the first layer alone with eager attention; transformers 5 then recorded hidden
+    states of that one layer only, forever after, and a state map fitted later failed. residual_streams reads
+    every layer whatever ran before. (A model of its own: the run under test must not touch the shared one.)"""
+    model = load_plain_model(tiny_dir("llama"), torch.float64)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    layer_states(model, 1, input_ids=ids, attentions=True)
+    states = residual_streams(model, ids)
+    assert len(states) == model.config.num_hidden_layers + 1
+    full = model(input_ids=ids, output_hidden_states=False).logits
+    normed = model.model.norm(states[-1])
+    assert torch.allclose(model.lm_head(normed), full)

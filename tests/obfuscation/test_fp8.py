@@ -14,7 +14,7 @@ from aloepri.obfuscation.checkpoint import open_checkpoint
 from aloepri.obfuscation.fp8 import (FP8_MAX, BlockFp8, dequantize_blockwise, fake_quantize,
                                      parse_quantization_config, quantize_blockwise)
 from aloepri.obfuscation.sharding import ShardLayout, layout_of, tensor_parallel_problems
-from test_bad_inputs import _entries, _obfuscate_args, _one_error_line, _run
+from cli_helpers import entries, obfuscate_args, one_error_line, run_cli
 from test_equivalence import _max_logit_error, load64
 from aloepri.testing.tiny import build_tiny, dequantized_copy, to_fp8_release
 
@@ -170,12 +170,12 @@ def test_fp8_output_from_an_unquantized_source_uses_release_blocks(tmp_path, cap
     assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
     back = open_checkpoint(out)
     assert back.fp8.block == (128, 128) and back.get("q", 0).dtype == torch.float64
-    rc, err = _run(capsys, ["export-gguf", out, "--outfile", tmp_path / "m.gguf", "--quiet"])
-    assert rc == 2 and "FP8 block-quantized weights" in _one_error_line(err, "export-gguf")
+    rc, err = run_cli(capsys, ["export-gguf", out, "--outfile", tmp_path / "m.gguf", "--quiet"])
+    assert rc == 2 and "FP8 block-quantized weights" in one_error_line(err, "export-gguf")
 
     narrow = build_tiny("llama", tmp_path / "narrow")  # q 48, k 16, gate 80 rows: no whole 128-row block
-    rc, err = _run(capsys, _obfuscate_args(narrow, tmp_path / "out2", tmp_path / "k2.key", "--dtype", "fp8"))
-    line = _one_error_line(err, "obfuscate")
+    rc, err = run_cli(capsys, obfuscate_args(narrow, tmp_path / "out2", tmp_path / "k2.key", "--dtype", "fp8"))
+    line = one_error_line(err, "obfuscate")
     assert rc == 2 and "q projection output (fused with k and v) 48 per GPU is not a multiple of the FP8 block's " \
         "128 rows" in line and "unquantized --dtype" in line
     assert not (tmp_path / "out2").exists()
@@ -208,10 +208,10 @@ def _broken_copy(fp8_source, tmp_path, drop=None, **quant):
 ])
 def test_bad_fp8_checkpoints_are_one_clear_line(fp8_source, tmp_path, capsys, change, message):
     bad = _broken_copy(fp8_source, tmp_path, **change)
-    rc, err = _run(capsys, _obfuscate_args(bad, tmp_path / "out", tmp_path / "k.key"))
-    line = _one_error_line(err, "obfuscate")
+    rc, err = run_cli(capsys, obfuscate_args(bad, tmp_path / "out", tmp_path / "k.key"))
+    line = one_error_line(err, "obfuscate")
     assert rc == 2 and message in line, line
-    assert _entries(tmp_path) == ["src"]
+    assert entries(tmp_path) == ["src"]
 
 
 # --- tensor parallelism -------------------------------------------------------------------------------------------
@@ -258,10 +258,10 @@ def test_key_value_heads_must_split_or_replicate_evenly():
 
 
 def test_tp_refusal_is_one_line_before_any_work(tiny_dir, tmp_path, capsys):
-    rc, err = _run(capsys, _obfuscate_args(tiny_dir("qwen3"), tmp_path / "out", tmp_path / "k.key", "--tp", "4"))
-    line = _one_error_line(err, "obfuscate")
+    rc, err = run_cli(capsys, obfuscate_args(tiny_dir("qwen3"), tmp_path / "out", tmp_path / "k.key", "--tp", "4"))
+    line = one_error_line(err, "obfuscate")
     assert rc == 2 and "6 attention heads do not split over 4 GPUs" in line
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2_moe", "deepseek_v3"])

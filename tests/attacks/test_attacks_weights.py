@@ -19,22 +19,9 @@ from aloepri.attacks.invariant import block_leverages
 from aloepri.attacks.nearest_neighbour import permutation_only_target
 from aloepri.attacks.report import ablation_params, markdown_table, run_attacks, write_report
 from aloepri.attacks.vma import consistent_sources, signatures, Source, gram
+from attack_helpers import IdTokenizer
 
 CI = Budget.named("ci")
-
-
-class IdTokenizer:
-    """Stand-in for the tiny models' missing tokenizer: decodes ids to 't<id>' words (text metrics only)."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.unk_token_id = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return " ".join(f"t{i}" for i in ids)
 
 
 def _data(vocab: int, seed: int = 0) -> PrivateData:

@@ -1,0 +1,32 @@
+"""Helpers for the tests that drive the `aloepri` command in process (cli/test_safety.py, obfuscation/test_fp8.py):
+the obfuscate command line, its exit code and stderr, the one error line it must print."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from aloepri.cli import main
+
+
+def obfuscate_args(src, out, key, *extra) -> list[str]:
+    return ["obfuscate", str(src), str(out), "--key-out", str(key), "--preset", "exact", "--quiet", *extra]
+
+
+def run_cli(capsys, argv) -> tuple[int, str]:
+    """(exit code, stderr) of the in-process CLI; argparse errors exit through SystemExit."""
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def one_error_line(err: str, command: str) -> str:
+    """The single `aloepri COMMAND: error: ...` line of ``err``; fails on none, several, or a traceback."""
+    lines = [line for line in err.splitlines() if line.startswith(f"aloepri {command}: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+def entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
