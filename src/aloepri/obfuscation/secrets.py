@@ -129,7 +129,9 @@ class SecretSampler:
         of experts per layer, each with two readers)."""
         if self._Q_common is None:
             b = self.base
-            self._Q_common = b.Z.T[:, : b.d + b.h] @ np.concatenate([b.B_inv, b.F], axis=0) / b.scale
+            right = np.concatenate([b.B_inv, b.F], axis=0) if b.h else b.B_inv
+            self._Q_common = keymat.matmul_rows(b.Z.T[:, : b.d + b.h], right)
+            self._Q_common /= b.scale
         b = self.base
         D = keymat.sample_D(self.rng("D", *labels), b)
         return self._Q_common + (b.Z.T[:, b.d + b.h:] @ D) / b.scale
