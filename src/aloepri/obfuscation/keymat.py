@@ -61,38 +61,14 @@ def orthogonal_from_gaussian(g: np.ndarray) -> np.ndarray:
 
 
 def key_workers() -> int:
-    """Threads for the key's independent float64 pieces: the cores this process may use. Each piece runs on one
-    BLAS thread (single_threaded_blas), so the thread count decides only what runs side by side, never a bit of
-    the result."""
+    """Threads for the key's independent float64 pieces: the cores this process may use. Each piece is one whole
+    LAPACK or BLAS call on one BLAS thread (single_threaded_blas), so the thread count decides only what runs side
+    by side, never a bit of the result. (Splitting one product into row blocks would use more cores, but changes
+    the last bit of some entries against the whole product: OpenBLAS's kernels sum edge tiles differently.)"""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
-
-
-GEMM_ROW_BLOCK = 512  # rows per task of a parallel key product: fixed, so the split never depends on the machine
-
-
-def matmul_rows(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, workers: int | None = None) -> np.ndarray:
-    """``a @ b`` in float64, fixed blocks of GEMM_ROW_BLOCK rows on up to ``workers`` threads (default
-    key_workers()), each block one single-threaded BLAS call. One output row's sum runs the same way whatever
-    block it is in (the BLAS splits the inner dimension by its length only), so the result is bit-identical to
-    ``a @ b`` on one thread and to itself on any thread count (tests/test_keymat.py checks both)."""
-    rows = a.shape[0]
-    if out is None:
-        out = np.empty((rows, b.shape[1]), dtype=np.result_type(a, b))
-    starts = range(0, rows, GEMM_ROW_BLOCK)
-    workers = key_workers() if workers is None else workers
-    if workers <= 1 or rows <= GEMM_ROW_BLOCK:
-        np.matmul(a, b, out=out)
-        return out
-
-    def block(i: int) -> None:
-        np.matmul(a[i: i + GEMM_ROW_BLOCK], b, out=out[i: i + GEMM_ROW_BLOCK])
-
-    with ThreadPoolExecutor(max_workers=min(workers, len(starts))) as pool:
-        list(pool.map(block, starts))
-    return out
 
 
 def run_side_by_side(*tasks, workers: int | None = None) -> list:
@@ -248,14 +224,14 @@ def sample_D(rng: np.random.Generator, base: KeyBase) -> np.ndarray:
 def key_matrix(base: KeyBase, C: np.ndarray) -> np.ndarray:
     """P = s [B C E] Z, shape (d, d+2h). s = sqrt((d+2h)/d) is our addition (see docs/design.md)."""
     left = np.concatenate([base.B, C, base.E], axis=1) if C.shape[1] or base.E.shape[1] else base.B
-    P = matmul_rows(left, base.Z)
-    P *= base.scale
+    P = left @ base.Z
+    P *= base.scale  # in place: the bits of base.scale * P without another (d, d+2h) temporary
     return P
 
 
 def inverse_key_matrix(base: KeyBase, D: np.ndarray) -> np.ndarray:
     """Q = Z^T [B^-1; F; D] / s, shape (d+2h, d); P Q = I for any P, Q from one base."""
-    Q = matmul_rows(base.Z.T, np.concatenate([base.B_inv, base.F, D], axis=0))
+    Q = base.Z.T @ np.concatenate([base.B_inv, base.F, D], axis=0)
     Q /= base.scale
     return Q
 
