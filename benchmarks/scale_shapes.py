@@ -16,6 +16,7 @@ permutation: max |logit error| over max |logit|.
 
     python benchmarks/scale_shapes.py --label after --families llama-3.1-8b --layers 2
     python benchmarks/scale_shapes.py --label full-8b --families llama-3.1-8b --layers 32 --no-equivalence
+    python benchmarks/scale_shapes.py --label fp8 --families deepseek-v3.1 --fp8 --no-equivalence
 Results: benchmarks/results/scale_shapes.json, one entry per (label, family); an existing one is kept unless --force.
 """
 from __future__ import annotations
@@ -151,16 +152,17 @@ def git_revision() -> str:
 
 
 def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides: dict, device: str,
-               vocab: int | None = None) -> dict:
+               vocab: int | None = None, source_dtype: str = "bfloat16") -> dict:
     from aloepri.testing.synthetic import synthetic_config, write_synthetic_checkpoint
 
     experts = TIMING_EXPERTS.get(family)
     src = workdir / (f"{family}-L{layers}" + ("" if experts is None else f"-E{experts}") +
-                     ("" if vocab is None else f"-V{vocab}"))
+                     ("" if vocab is None else f"-V{vocab}") + ("" if source_dtype == "bfloat16" else f"-{source_dtype}"))
     if not (src / "config.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
         t = time.perf_counter()
-        write_synthetic_checkpoint(family, src, num_layers=layers, num_experts=experts, vocab_size=vocab)
+        write_synthetic_checkpoint(family, src, num_layers=layers, num_experts=experts, vocab_size=vocab,
+                                   dtype=source_dtype)
         print(f"  wrote {src} in {time.perf_counter() - t:.0f} s", flush=True)
     out_dir = workdir / f"{family}-L{layers}-obf"
     try:
@@ -175,7 +177,7 @@ def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides:
     r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
     r["config"] = {k: v for k, v in synthetic_config(family, layers, vocab, experts).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    r["num_layers"], r["num_experts"], r["vocab_size"] = layers, experts, vocab
+    r["num_layers"], r["num_experts"], r["vocab_size"], r["source_dtype"] = layers, experts, vocab, source_dtype
     r["source_bytes"] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     return r
 
@@ -279,6 +281,9 @@ def main() -> None:
     ap.add_argument("--no-equivalence", dest="equivalence", action="store_false")
     ap.add_argument("--vocab", type=int, default=None,
                     help="reduced vocabulary for the timing run (per-layer timing of the wide families)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="timing source in the FP8 release format (block-quantized float8_e4m3fn, as DeepSeek-V3.1 "
+                         "ships); the output is then FP8 too, the default for an FP8 source")
     ap.add_argument("--equiv-vocab", type=int, default=4096)
     ap.add_argument("--equiv-experts", type=int, default=16)
     ap.add_argument("--force", action="store_true")
@@ -318,7 +323,8 @@ def main() -> None:
         layers = max(a.layers, TIMING_LAYERS.get(fam, 0))
         if "timing" not in entry or a.force:
             try:
-                entry["timing"] = timing_run(fam, layers, workdir, a.threads, overrides, a.device, a.vocab)
+                entry["timing"] = timing_run(fam, layers, workdir, a.threads, overrides, a.device, a.vocab,
+                                             "fp8" if a.fp8 else "bfloat16")
                 entry["timing"]["noise"] = overrides
             except (RuntimeError, OSError) as e:
                 entry["timing"] = {"error": str(e)[-1500:]}
