@@ -148,16 +148,16 @@ def main() -> None:
 
     out = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": {}}
     run = out["runs"].setdefault(a.label, {})
-    run.update(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), threads=a.threads,
-               before=a.before, after=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                                     capture_output=True, text=True).stdout.strip())
+    after_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                               text=True).stdout.strip()
+    run.update(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), threads=a.threads)
     workdir = Path(a.workdir)
     with tempfile.TemporaryDirectory() as tmp:
         before_src = export_revision(a.before, Path(tmp)) if a.before else None
         for d in a.widths:
             if str(d) in run and not a.force:
                 continue
-            entry, src = {}, "-"
+            entry, src = {"before_revision": a.before, "after_revision": after_rev}, "-"
             try:
                 if a.checkpoint:
                     src = workdir / f"{FAMILY_OF_WIDTH[d]}-L1"

@@ -222,16 +222,27 @@ def product_flops(cfg: dict, hidden: int) -> float:
                      if len(shape) == 2 and d in shape))
 
 
+PROBE_SPREAD_MAX = 2.0
+
+
+def steady(timing: dict) -> bool:
+    """The run's GEMM probes (two before, two after, same process) agree within PROBE_SPREAD_MAX: the load did not
+    change under it so much that the fraction of their mean means nothing (a run that started on an idle machine
+    and ended on a loaded one reads 270 then 25 GFLOP/s). Only such runs give the projection a measured fraction."""
+    probes = timing["float32_probe_gflops"]
+    return max(probes) <= PROBE_SPREAD_MAX * min(probes)
+
+
 def projection(runs: list[dict], fraction: float | None = None, moe_fraction: float | None = None) -> list[dict]:
     """Full-model time per family: its products' FLOPs over the fraction of a float32 GEMM the measured run
-    reached (the first of ``runs`` that measured it; ``fraction`` for the others), at each rate of PROJECTION_GEMM_GFLOPS; and the time to read and write its bf16
+    reached (the first of ``runs`` that measured it under a steady load; ``fraction`` for the others), at each rate of PROJECTION_GEMM_GFLOPS; and the time to read and write its bf16
     weights at ASSUMED_DISK_GBPS. Projections, not measurements."""
     from aloepri.testing.synthetic import synthetic_config, tensor_shapes
 
     rows = []
     for fam in synthetic_config.__globals__["FAMILIES"]:
         timings = [r["families"].get(fam, {}).get("timing") for r in runs]
-        t = next((x for x in timings if x is not None and "error" not in x), None)
+        t = next((x for x in timings if x is not None and "error" not in x and steady(x)), None)
         measured = t is not None
         cfg = synthetic_config(fam)
         is_moe = "num_experts" in cfg or "n_routed_experts" in cfg
