@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scale_shapes import GEMM_PROBE  # noqa: E402  (benchmarks/ is the script's directory)
+
 RESULTS = Path(__file__).parent / "results" / "key_setup.json"
 REPO = Path(__file__).resolve().parent.parent
 # one family per width, for the checkpoint parts (1 decoder layer, a 4096-token vocabulary)
@@ -45,15 +47,7 @@ d, threads, workers, src = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.
 torch.set_num_threads(threads)
 if workers != "-":
     keymat.key_workers = lambda: int(workers)  # the thread-count check: same code, one worker
-N = 2048
-a, b = torch.randn(N, N), torch.randn(N, N)
-c = torch.empty(N, N)
-torch.matmul(a, b, out=c)
-probes = []
-def probe():
-    t = time.perf_counter()
-    torch.matmul(a, b, out=c)
-    probes.append(2.0 * N**3 / (time.perf_counter() - t) / 1e9)
+""" + GEMM_PROBE + r"""
 
 def status(field):
     for line in open("/proc/self/status"):

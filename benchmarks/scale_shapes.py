@@ -43,15 +43,9 @@ TIMING_LAYERS = {"deepseek-v3.1": 4}
 NOISY = {"alpha_e": 0.1, "alpha_h": 0.05}  # the embedding/head noise of the noisy small-model preset, h = 0
 LOSSLESS = {"alpha_e": 0.0, "alpha_h": 0.0}
 
-CHILD = r"""
-import json, os, sys, time, threading, torch
-from pathlib import Path
-import aloepri.obfuscation.pipeline as pipeline
-from aloepri import obfuscate, resolve_params
-
-src, work, overrides, threads, device = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-torch.set_num_threads(threads)
-N = 2048
+# a float32 2048^3 matmul timed in the child itself (``probe()`` appends GFLOP/s to ``probes``): the rate every
+# figure of the run is compared with; pasted into each child's code
+GEMM_PROBE = r"""N = 2048
 a, b = torch.randn(N, N), torch.randn(N, N)
 c = torch.empty(N, N)
 torch.matmul(a, b, out=c)
@@ -60,6 +54,17 @@ def probe():
     t = time.perf_counter()
     torch.matmul(a, b, out=c)
     probes.append(2.0 * N**3 / (time.perf_counter() - t) / 1e9)
+"""
+
+CHILD = r"""
+import json, os, sys, time, threading, torch
+from pathlib import Path
+import aloepri.obfuscation.pipeline as pipeline
+from aloepri import obfuscate, resolve_params
+
+src, work, overrides, threads, device = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.set_num_threads(threads)
+""" + GEMM_PROBE + r"""
 
 def vm_hwm_kib():
     for line in open("/proc/self/status"):
