@@ -342,6 +342,7 @@ def main() -> None:
                 entry["timing"] = timing_run(fam, layers, workdir, a.threads, overrides, a.device, a.vocab,
                                              "fp8" if a.fp8 else "bfloat16")
                 entry["timing"]["noise"] = overrides
+                entry["timing"]["code"] = header["code"]  # the run's header holds the latest run's revision
             except (RuntimeError, OSError) as e:
                 entry["timing"] = {"error": str(e)[-1500:]}
             save(a.label, fam, entry, header)
