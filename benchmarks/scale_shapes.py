@@ -16,6 +16,7 @@ permutation: max |logit error| over max |logit|.
 
     python benchmarks/scale_shapes.py --label after --families llama-3.1-8b --layers 2
     python benchmarks/scale_shapes.py --label full-8b --families llama-3.1-8b --layers 32 --no-equivalence
+    python benchmarks/scale_shapes.py --label fp8 --families deepseek-v3.1 --fp8 --no-equivalence
 Results: benchmarks/results/scale_shapes.json, one entry per (label, family); an existing one is kept unless --force.
 """
 from __future__ import annotations
@@ -42,15 +43,9 @@ TIMING_LAYERS = {"deepseek-v3.1": 4}
 NOISY = {"alpha_e": 0.1, "alpha_h": 0.05}  # the embedding/head noise of the noisy small-model preset, h = 0
 LOSSLESS = {"alpha_e": 0.0, "alpha_h": 0.0}
 
-CHILD = r"""
-import json, os, sys, time, threading, torch
-from pathlib import Path
-import aloepri.obfuscation.pipeline as pipeline
-from aloepri import obfuscate, resolve_params
-
-src, work, overrides, threads, device = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-torch.set_num_threads(threads)
-N = 2048
+# a float32 2048^3 matmul timed in the child itself (``probe()`` appends GFLOP/s to ``probes``): the rate every
+# figure of the run is compared with; pasted into each child's code
+GEMM_PROBE = r"""N = 2048
 a, b = torch.randn(N, N), torch.randn(N, N)
 c = torch.empty(N, N)
 torch.matmul(a, b, out=c)
@@ -59,6 +54,17 @@ def probe():
     t = time.perf_counter()
     torch.matmul(a, b, out=c)
     probes.append(2.0 * N**3 / (time.perf_counter() - t) / 1e9)
+"""
+
+CHILD = r"""
+import json, os, sys, time, threading, torch
+from pathlib import Path
+import aloepri.obfuscation.pipeline as pipeline
+from aloepri import obfuscate, resolve_params
+
+src, work, overrides, threads, device = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.set_num_threads(threads)
+""" + GEMM_PROBE + r"""
 
 def vm_hwm_kib():
     for line in open("/proc/self/status"):
@@ -151,16 +157,17 @@ def git_revision() -> str:
 
 
 def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides: dict, device: str,
-               vocab: int | None = None) -> dict:
+               vocab: int | None = None, source_dtype: str = "bfloat16") -> dict:
     from aloepri.testing.synthetic import synthetic_config, write_synthetic_checkpoint
 
     experts = TIMING_EXPERTS.get(family)
     src = workdir / (f"{family}-L{layers}" + ("" if experts is None else f"-E{experts}") +
-                     ("" if vocab is None else f"-V{vocab}"))
+                     ("" if vocab is None else f"-V{vocab}") + ("" if source_dtype == "bfloat16" else f"-{source_dtype}"))
     if not (src / "config.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
         t = time.perf_counter()
-        write_synthetic_checkpoint(family, src, num_layers=layers, num_experts=experts, vocab_size=vocab)
+        write_synthetic_checkpoint(family, src, num_layers=layers, num_experts=experts, vocab_size=vocab,
+                                   dtype=source_dtype)
         print(f"  wrote {src} in {time.perf_counter() - t:.0f} s", flush=True)
     out_dir = workdir / f"{family}-L{layers}-obf"
     try:
@@ -175,7 +182,7 @@ def timing_run(family: str, layers: int, workdir: Path, threads: int, overrides:
     r["peak_rss_mib"] = r["peak_rss_kib"] / 1024
     r["config"] = {k: v for k, v in synthetic_config(family, layers, vocab, experts).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    r["num_layers"], r["num_experts"], r["vocab_size"] = layers, experts, vocab
+    r["num_layers"], r["num_experts"], r["vocab_size"], r["source_dtype"] = layers, experts, vocab, source_dtype
     r["source_bytes"] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     return r
 
@@ -220,16 +227,27 @@ def product_flops(cfg: dict, hidden: int) -> float:
                      if len(shape) == 2 and d in shape))
 
 
+PROBE_SPREAD_MAX = 2.0
+
+
+def steady(timing: dict) -> bool:
+    """The run's GEMM probes (two before, two after, same process) agree within PROBE_SPREAD_MAX: the load did not
+    change under it so much that the fraction of their mean means nothing (a run that started on an idle machine
+    and ended on a loaded one reads 270 then 25 GFLOP/s). Only such runs give the projection a measured fraction."""
+    probes = timing["float32_probe_gflops"]
+    return max(probes) <= PROBE_SPREAD_MAX * min(probes)
+
+
 def projection(runs: list[dict], fraction: float | None = None, moe_fraction: float | None = None) -> list[dict]:
     """Full-model time per family: its products' FLOPs over the fraction of a float32 GEMM the measured run
-    reached (the first of ``runs`` that measured it; ``fraction`` for the others), at each rate of PROJECTION_GEMM_GFLOPS; and the time to read and write its bf16
+    reached (the first of ``runs`` that measured it under a steady load; ``fraction`` for the others), at each rate of PROJECTION_GEMM_GFLOPS; and the time to read and write its bf16
     weights at ASSUMED_DISK_GBPS. Projections, not measurements."""
     from aloepri.testing.synthetic import synthetic_config, tensor_shapes
 
     rows = []
     for fam in synthetic_config.__globals__["FAMILIES"]:
         timings = [r["families"].get(fam, {}).get("timing") for r in runs]
-        t = next((x for x in timings if x is not None and "error" not in x), None)
+        t = next((x for x in timings if x is not None and "error" not in x and steady(x)), None)
         measured = t is not None
         cfg = synthetic_config(fam)
         is_moe = "num_experts" in cfg or "n_routed_experts" in cfg
@@ -279,6 +297,9 @@ def main() -> None:
     ap.add_argument("--no-equivalence", dest="equivalence", action="store_false")
     ap.add_argument("--vocab", type=int, default=None,
                     help="reduced vocabulary for the timing run (per-layer timing of the wide families)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="timing source in the FP8 release format (block-quantized float8_e4m3fn, as DeepSeek-V3.1 "
+                         "ships); the output is then FP8 too, the default for an FP8 source")
     ap.add_argument("--equiv-vocab", type=int, default=4096)
     ap.add_argument("--equiv-experts", type=int, default=16)
     ap.add_argument("--force", action="store_true")
@@ -318,8 +339,10 @@ def main() -> None:
         layers = max(a.layers, TIMING_LAYERS.get(fam, 0))
         if "timing" not in entry or a.force:
             try:
-                entry["timing"] = timing_run(fam, layers, workdir, a.threads, overrides, a.device, a.vocab)
+                entry["timing"] = timing_run(fam, layers, workdir, a.threads, overrides, a.device, a.vocab,
+                                             "fp8" if a.fp8 else "bfloat16")
                 entry["timing"]["noise"] = overrides
+                entry["timing"]["code"] = header["code"]  # the run's header holds the latest run's revision
             except (RuntimeError, OSError) as e:
                 entry["timing"] = {"error": str(e)[-1500:]}
             save(a.label, fam, entry, header)

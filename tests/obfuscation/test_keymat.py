@@ -124,3 +124,75 @@ def test_split_norm_weight_keeps_products_and_clips_kept_dims_on_the_server():
     assert float(server[0]) == kappa * 0.01 and float(reader[2]) == 1.0  # damping stays on the server
     assert torch.equal(reader[[0, 4]], w[[0, 4]])  # mixed dims: folded whole
     assert all(float(server[j]) == kappa for j in (1, 3, 5, 7))
+
+
+def _shape(d):
+    from aloepri.obfuscation.secrets import ModelShape
+
+    return ModelShape(d=d, vocab_size=10, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=d - d % 2,
+                      intermediate_size=8, rope_base=1e4, qk_norm=False)
+
+
+def _plain_key_base(rng, d, h, lam, e_scale, kept):
+    """Algorithm 1's INIT written the plain way (one QR after the other, whole-matrix products): what keys drawn
+    before the side-by-side key setup were made of. A key file's seed must keep giving these bits."""
+    def haar(n):
+        q, r = np.linalg.qr(rng.standard_normal((n, n)))
+        return q * np.sign(np.diag(r))[None, :]
+
+    std, width = 1.0 / np.sqrt(d), d + 2 * h
+    if not kept:
+        B = haar(d) + lam * rng.normal(0.0, std, (d, d))
+        B_inv = np.linalg.inv(B)
+        E = (rng.normal(0.0, std, (d, h // 2)) @ rng.normal(0.0, std, (h // 2, h))) * e_scale
+        F = rng.normal(0.0, std, (h, h // 2)) @ rng.normal(0.0, std, (h // 2, d))
+        return B, B_inv, E, F, haar(width)
+    K = np.asarray(kept)
+    R = np.setdiff1d(np.arange(d), K)
+    signs = rng.choice([-1.0, 1.0], size=len(K))
+    B_rr = haar(len(R)) + lam * rng.normal(0.0, std, (len(R), len(R)))
+    B, B_inv = np.zeros((d, d)), np.zeros((d, d))
+    B[np.ix_(R, R)], B_inv[np.ix_(R, R)] = B_rr, np.linalg.inv(B_rr)
+    B[K, K] = B_inv[K, K] = signs
+    E = (rng.normal(0.0, std, (d, h // 2)) @ rng.normal(0.0, std, (h // 2, h))) * e_scale
+    E[K] = 0.0
+    F = rng.normal(0.0, std, (h, h // 2)) @ rng.normal(0.0, std, (h // 2, d))
+    F[:, K] = 0.0
+    targets = rng.choice(width, size=len(K), replace=False)
+    Z = np.zeros((width, width))
+    Z[K, targets] = 1.0
+    Z[np.ix_(np.setdiff1d(np.arange(width), K), np.setdiff1d(np.arange(width), targets))] = haar(width - len(K))
+    return B, B_inv, E, F, Z
+
+
+@pytest.mark.parametrize("h,lam,e_scale,kept", [(0, 0.0, 0.0, (3, 200, 301, 388)), (8, 0.3, 1.0, ()),
+                                                (4, 0.1, 1.0, (0, 5))])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_key_setup_gives_the_plain_derivations_bits_on_any_thread_count(monkeypatch, h, lam, e_scale, kept, workers):
+    """The key's QRs and products run side by side on several threads: a seed must still give
+    the bits of the plain one-after-the-other derivation, whatever the thread count (the model a key file
+    describes must not depend on the machine's core count)."""
+    from aloepri.obfuscation.params import ObfuscationParams
+    from aloepri.obfuscation.secrets import SecretSampler
+
+    d = 389
+    monkeypatch.setattr(keymat, "key_workers", lambda: workers)
+    with keymat.single_threaded_blas():
+        base = keymat.init_key_base(keymat.derive_rng(9, "base"), d, h, lam, e_scale, kept=kept)
+        C = keymat.sample_C(keymat.derive_rng(9, "C"), base, 1.0)
+        D = keymat.sample_D(keymat.derive_rng(9, "D"), base)
+        P, Q = keymat.key_matrix(base, C), keymat.inverse_key_matrix(base, D)
+        sampler = SecretSampler(9, ObfuscationParams(h=h, lam=lam, e_scale=e_scale, c_scale=1.0,
+                                                     outlier_dims=len(kept)), _shape(d), kept)
+        B, B_inv, E, F, Z = _plain_key_base(keymat.derive_rng(9, "base"), d, h, lam, e_scale, kept)
+        P_plain = base.scale * (np.concatenate([B, C, E], axis=1) @ Z)
+        Q_plain = (Z.T @ np.concatenate([B_inv, F, D], axis=0)) / base.scale
+        B2, B2_inv, E2, F2, Z2 = _plain_key_base(keymat.derive_rng(9, "base"), d, sampler.h, lam, e_scale, kept)
+        P2 = sampler.base.scale * (np.concatenate([B2, keymat.sample_C(sampler.rng("C", "shared"), sampler.base, 1.0),
+                                                   E2], axis=1) @ Z2)
+        s, D2 = sampler.base.scale, keymat.sample_D(sampler.rng("D", "q", 0), sampler.base)
+        # a reader's Q as SecretSampler has always summed it: the part no D changes, plus D's
+        Q2 = (Z2.T[:, : d + sampler.h] @ np.concatenate([B2_inv, F2])) / s + (Z2.T[:, d + sampler.h:] @ D2) / s
+    for got, want in [(base.B, B), (base.B_inv, B_inv), (base.E, E), (base.F, F), (base.Z, Z), (P, P_plain),
+                      (Q, Q_plain), (sampler._shared_P, P2), (sampler.reader_Q("q", 0), Q2)]:
+        np.testing.assert_array_equal(got, want)

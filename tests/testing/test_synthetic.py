@@ -86,3 +86,27 @@ def test_streamed_file_round_trip_and_refusals(tmp_path):
     f.write("a", a)
     with pytest.raises(ValueError, match="before 'b' was complete"):
         f.close()
+
+
+def test_fp8_checkpoint_is_the_release_format_the_reader_takes(tmp_path):
+    """dtype="fp8": linear weights of the decoder layers in float8_e4m3fn with 128 x 128 float32 block scales, the
+    embedding, head, norms and router in bf16, quantization_config declared: what open_checkpoint reads from an
+    FP8 release (dequantized), so DeepSeek-V3.1's own format can be timed."""
+    from aloepri.obfuscation.checkpoint import open_checkpoint
+    from aloepri.obfuscation.fp8 import RELEASE_BLOCK
+
+    out = write_synthetic_checkpoint("qwen3-30b-a3b", tmp_path / "m", num_layers=1, vocab_size=256, num_experts=4,
+                                     dtype="fp8", max_shard_bytes=20 << 20)
+    tensors = SafetensorsDir(out)
+    down = "model.layers.0.mlp.experts.3.down_proj.weight"
+    assert tensors.dtype(down) == "F8_E4M3" and tensors.shape(down) == [2048, 768]
+    assert tensors.shape(down + "_scale_inv") == [16, 6]
+    for unquantized in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
+                        "model.norm.weight"):
+        assert tensors.dtype(unquantized) == "BF16"
+        assert unquantized.replace("weight", "weight_scale_inv") not in tensors.names()
+    source = open_checkpoint(out)
+    source.validate()
+    assert source.fp8 is not None and source.fp8.block == RELEASE_BLOCK
+    w = source.get("expert_down", 0, expert=3, dtype=None)
+    assert w.dtype == torch.float32 and 0.015 < float(w.std()) < 0.025

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,9 +38,48 @@ def derive_rng(seed: int, *labels: object) -> np.random.Generator:
 
 def haar_orthogonal(rng: np.random.Generator, n: int) -> np.ndarray:
     """Uniform (Haar) sample from O(n): QR of a Gaussian matrix with the sign of R's diagonal fixed."""
-    g = rng.standard_normal((n, n))
-    q, r = np.linalg.qr(g)
-    return q * np.sign(np.diag(r))[None, :]
+    return orthogonal_from_gaussian(rng.standard_normal((n, n)))
+
+
+def orthogonal_from_gaussian(g: np.ndarray) -> np.ndarray:
+    """haar_orthogonal's arithmetic on an already drawn square Gaussian ``g``, which it overwrites: Q of its QR
+    with the columns signed by R's diagonal. The same LAPACK calls as ``np.linalg.qr(g)`` (dgeqrf, then dorgqr)
+    on the same input, so the same bits, without qr's copy of ``g`` and its full R (two d x d temporaries fewer;
+    R's diagonal is the factored matrix's)."""
+    raw = getattr(np.linalg, "_umath_linalg", None)
+    if g.dtype != np.float64 or not g.flags.c_contiguous or raw is None or not hasattr(raw, "qr_reduced"):
+        q, r = np.linalg.qr(g)
+        return q * np.sign(np.diag(r))[None, :]
+    with np.errstate(over="ignore", divide="ignore", under="ignore", invalid="ignore"):
+        tau = raw.qr_r_raw(g, signature="d->d")  # g now holds R (upper triangle) and the reflectors
+        signs = np.sign(np.diagonal(g))
+        q = raw.qr_reduced(g, tau, signature="dd->d")
+    if not np.isfinite(tau).all():
+        raise np.linalg.LinAlgError("QR of the key's Gaussian matrix failed")
+    q *= signs[None, :]
+    return q
+
+
+def key_workers() -> int:
+    """Threads for the key's independent float64 pieces: the cores this process may use. Each piece is one whole
+    LAPACK or BLAS call on one BLAS thread (single_threaded_blas), so the thread count decides only what runs side
+    by side, never a bit of the result. (Splitting one product into row blocks would use more cores, but changes
+    the last bit of some entries against the whole product: OpenBLAS's kernels sum edge tiles differently.)"""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def run_side_by_side(*tasks, workers: int | None = None) -> list:
+    """Call independent zero-argument ``tasks`` on up to ``workers`` threads (default key_workers()) and return
+    their results in order. numpy's LAPACK and BLAS calls release the GIL, so two factorizations of the key run
+    on two cores, each on one BLAS thread: the same bits as one after the other."""
+    workers = key_workers() if workers is None else workers
+    if workers <= 1 or len(tasks) <= 1:
+        return [t() for t in tasks]
+    with ThreadPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
+        return [f.result() for f in [pool.submit(t) for t in tasks]]
 
 
 def null_space_basis(a: np.ndarray, tol: float = 1e-10) -> np.ndarray:
@@ -84,14 +125,16 @@ def init_key_base(rng: np.random.Generator, d: int, h: int, lam: float, e_scale:
     if kept:
         return _init_key_base_keeping(rng, d, h, lam, e_scale, tuple(sorted(int(i) for i in kept)))
     std = 1.0 / np.sqrt(d)
-    U = haar_orthogonal(rng, d)
+    # every draw first, in the stream's order; then the two QRs side by side and B's inverse (see _mix)
+    g_U = rng.standard_normal((d, d))
     V = rng.normal(0.0, std, (d, d))
-    B = U + lam * V
-    B_inv = np.linalg.inv(B)
     E = (rng.normal(0.0, std, (d, h // 2)) @ rng.normal(0.0, std, (h // 2, h))) * e_scale
     F1 = rng.normal(0.0, std, (h, h // 2))
     F = F1 @ rng.normal(0.0, std, (h // 2, d))
-    Z = haar_orthogonal(rng, d + 2 * h)
+    g_Z = rng.standard_normal((d + 2 * h, d + 2 * h))
+    B, Z = _mix(g_U, V, lam, g_Z)
+    del g_U, V, g_Z
+    B_inv = np.linalg.inv(B)
     # Rows of C must be orthogonal to the columns of F (C F = 0): the left null space of F1.
     c_basis = null_space_basis(F1.T)
     # Columns of D must be in null(E). With E = 0 every vector qualifies; we still use null(E2)-sized
@@ -112,24 +155,46 @@ def _init_key_base_keeping(rng: np.random.Generator, d: int, h: int, lam: float,
     width = d + 2 * h
     std = 1.0 / np.sqrt(d)
     signs = rng.choice([-1.0, 1.0], size=len(K))
-    B_rr = haar_orthogonal(rng, len(R)) + lam * rng.normal(0.0, std, (len(R), len(R)))
-    B, B_inv = np.zeros((d, d)), np.zeros((d, d))
-    B[np.ix_(R, R)], B_inv[np.ix_(R, R)] = B_rr, np.linalg.inv(B_rr)
-    B[K, K] = B_inv[K, K] = signs
+    # every draw first, in the stream's order; then the two QRs side by side and B_rr's inverse (see _mix)
+    g_U = rng.standard_normal((len(R), len(R)))
+    V = rng.normal(0.0, std, (len(R), len(R)))
     E = (rng.normal(0.0, std, (d, h // 2)) @ rng.normal(0.0, std, (h // 2, h))) * e_scale
     E[K] = 0.0
     F1 = rng.normal(0.0, std, (h, h // 2))
     F = F1 @ rng.normal(0.0, std, (h // 2, d))
     F[:, K] = 0.0
     targets = rng.choice(width, size=len(K), replace=False)
+    g_Z = rng.standard_normal((width - len(K), width - len(K)))
+    B_rr, Z_rest = _mix(g_U, V, lam, g_Z)
+    del g_U, V, g_Z
     Z = np.zeros((width, width))
     Z[K, targets] = 1.0
-    Z[np.ix_(np.setdiff1d(np.arange(width), K), np.setdiff1d(np.arange(width), targets))] = \
-        haar_orthogonal(rng, width - len(K))
+    Z[np.ix_(np.setdiff1d(np.arange(width), K), np.setdiff1d(np.arange(width), targets))] = Z_rest
+    del Z_rest
+    B = np.zeros((d, d))
+    B[np.ix_(R, R)] = B_rr
+    B[K, K] = signs
+    B_rr_inv = np.linalg.inv(B_rr)
+    del B_rr
+    B_inv = np.zeros((d, d))
+    B_inv[np.ix_(R, R)] = B_rr_inv
+    del B_rr_inv
+    B_inv[K, K] = signs
     c_basis = null_space_basis(F1.T)
     d_basis = null_space_basis(E) if e_scale > 0 else np.eye(h)
     return KeyBase(B=B, B_inv=B_inv, E=E, F=F, Z=Z, c_basis=c_basis, d_basis=d_basis,
                    scale=float(np.sqrt(width / d)), kept=kept)
+
+
+def _mix(g_U: np.ndarray, V: np.ndarray, lam: float, g_Z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """INIT's two orthogonal factors from their drawn Gaussians, side by side (run_side_by_side), and
+    B = U + lam V: (B, Z). Overwrites all three inputs; V's buffer becomes B. The arithmetic of
+    haar_orthogonal and of ``U + lam * V`` element by element, so a seed gives the bits it gave when they ran
+    one after the other (float addition commutes bitwise)."""
+    U, Z = run_side_by_side(lambda: orthogonal_from_gaussian(g_U), lambda: orthogonal_from_gaussian(g_Z))
+    np.multiply(V, lam, out=V)
+    np.add(U, V, out=V)
+    return V, Z
 
 
 def sample_C(rng: np.random.Generator, base: KeyBase, c_scale: float) -> np.ndarray:
@@ -158,12 +223,17 @@ def sample_D(rng: np.random.Generator, base: KeyBase) -> np.ndarray:
 
 def key_matrix(base: KeyBase, C: np.ndarray) -> np.ndarray:
     """P = s [B C E] Z, shape (d, d+2h). s = sqrt((d+2h)/d) is our addition (see docs/design.md)."""
-    return base.scale * (np.concatenate([base.B, C, base.E], axis=1) @ base.Z)
+    left = np.concatenate([base.B, C, base.E], axis=1) if C.shape[1] or base.E.shape[1] else base.B
+    P = left @ base.Z
+    P *= base.scale  # in place: the bits of base.scale * P without another (d, d+2h) temporary
+    return P
 
 
 def inverse_key_matrix(base: KeyBase, D: np.ndarray) -> np.ndarray:
     """Q = Z^T [B^-1; F; D] / s, shape (d+2h, d); P Q = I for any P, Q from one base."""
-    return (base.Z.T @ np.concatenate([base.B_inv, base.F, D], axis=0)) / base.scale
+    Q = base.Z.T @ np.concatenate([base.B_inv, base.F, D], axis=0)
+    Q /= base.scale
+    return Q
 
 
 def log_uniform(rng: np.random.Generator, size: int, max_ratio: float) -> np.ndarray:

@@ -94,8 +94,10 @@ class SecretSampler:
         self.h = effective_h(shape.d, params.h, shape.num_heads)
         self.base = keymat.init_key_base(self.rng("base"), shape.d, self.h, params.lam, params.e_scale,
                                          kept=tuple(outlier_dims))
-        self._shared_P = keymat.key_matrix(self.base, keymat.sample_C(self.rng("C", "shared"), self.base, params.c_scale))
-        self._Q_common: np.ndarray | None = None
+        C = keymat.sample_C(self.rng("C", "shared"), self.base, params.c_scale)
+        # P and Q's common part (every reader needs it) are independent products: side by side
+        self._shared_P, self._Q_common = keymat.run_side_by_side(lambda: keymat.key_matrix(self.base, C),
+                                                                 self._common_Q)
         self._P_common: np.ndarray | None = None
 
     def rng(self, *labels: object) -> np.random.Generator:
@@ -127,12 +129,17 @@ class SecretSampler:
         """Q = Z^T [B^-1; F; D] / s with a fresh D per reader. Only D differs between readers, so the common part
         is computed once: a reader then costs 2(d+2h)hd flops instead of 2(d+2h)^2 d (it matters with hundreds
         of experts per layer, each with two readers)."""
-        if self._Q_common is None:
-            b = self.base
-            self._Q_common = b.Z.T[:, : b.d + b.h] @ np.concatenate([b.B_inv, b.F], axis=0) / b.scale
         b = self.base
         D = keymat.sample_D(self.rng("D", *labels), b)
         return self._Q_common + (b.Z.T[:, b.d + b.h:] @ D) / b.scale
+
+    def _common_Q(self) -> np.ndarray:
+        """Z^T[:, :d+h] [B^-1; F] / s, the part of Q = Z^T [B^-1; F; D] / s that no reader's D changes."""
+        b = self.base
+        right = np.concatenate([b.B_inv, b.F], axis=0) if b.h else b.B_inv
+        Q = b.Z.T[:, : b.d + b.h] @ right
+        Q /= b.scale
+        return Q
 
     def kappa(self, calibration_rows: np.ndarray | None = None) -> float:
         """Constant RMSNorm weight: kappa = sqrt(d/D) * E||xP|| / ||x||.

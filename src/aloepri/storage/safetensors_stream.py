@@ -12,8 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-DTYPE_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+DTYPE_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 
 
 class StreamedFile:

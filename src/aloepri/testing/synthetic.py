@@ -19,12 +19,13 @@ from typing import Any, Iterator
 
 import torch
 
-from ..obfuscation.archs import role_shapes, spec_for_hf
+from ..obfuscation.archs import fp8_weight_pattern, role_shapes, spec_for_hf
+from ..obfuscation.fp8 import RELEASE_BLOCK, SCALE_SUFFIX, BlockFp8, quantize_blockwise, scale_name
 from ..storage.safetensors_dir import INDEX_FILE
 from ..storage.safetensors_stream import StreamedFile
 
 # config.json values as published with each model (bf16 releases; DeepSeek-V3.1 is released in FP8 and carries a
-# quantization_config there, left out here: these checkpoints are bf16)
+# quantization_config there, which write_synthetic_checkpoint(dtype="fp8") adds)
 _LLAMA31 = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, attention_dropout=0.0,
     bos_token_id=128000, eos_token_id=128001, hidden_act="silu", initializer_range=0.02,
@@ -151,42 +152,73 @@ def _draw(name: str, shape: tuple[int, ...], generator: torch.Generator, dtype: 
         yield (WEIGHT_STD * torch.randn((n, shape[1]), generator=generator)).to(dtype)
 
 
+def _fp8_entries(name: str, shape: tuple[int, ...], quantized) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The stored tensors of one weight in an FP8 release: float8 values and their float32 block scales for the
+    quantized linear weights, bf16 for the rest (embedding, head, norms, routers, biases)."""
+    if quantized.fullmatch(name):
+        return [(name, "float8_e4m3fn", shape), (scale_name(name), "float32", BlockFp8(RELEASE_BLOCK).scale_shape(shape))]
+    return [(name, "bfloat16", shape)]
+
+
+def _draw_fp8(name: str, shape: tuple[int, ...], generator: torch.Generator) -> Iterator[tuple[str, torch.Tensor]]:
+    """(stored name, block) of one quantized weight: its row blocks, drawn in bands of whole 128-row blocks and
+    quantized as the releases are (quantize_blockwise), then its scales."""
+    rows = max(RELEASE_BLOCK[0], _BLOCK_ELEMENTS // shape[1] // RELEASE_BLOCK[0] * RELEASE_BLOCK[0])
+    scales = []
+    for start in range(0, shape[0], rows):
+        n = min(rows, shape[0] - start)
+        q, s = quantize_blockwise(WEIGHT_STD * torch.randn((n, shape[1]), generator=generator), RELEASE_BLOCK)
+        scales.append(s)
+        yield name, q
+    yield scale_name(name), torch.cat(scales)
+
+
 def write_synthetic_checkpoint(family: str, directory: str | Path, num_layers: int | None = None,
                                vocab_size: int | None = None, num_experts: int | None = None,
                                dtype: str = "bfloat16", seed: int = 0, max_shard_bytes: int = 2 << 30) -> Path:
     """Write a random-weight checkpoint of ``family`` (see PUBLISHED_CONFIGS) into ``directory`` (created; it must
     not hold a checkpoint already). Full width; ``num_layers`` / ``vocab_size`` / ``num_experts`` reduce depth,
     vocabulary (for an equivalence reference that fits in memory) and routed experts per MoE layer.
-    Returns the directory."""
-    if dtype not in ("bfloat16", "float16", "float32", "float64"):
-        raise ValueError(f"dtype must be bfloat16, float16, float32 or float64, got {dtype!r}")
+    ``dtype="fp8"``: the FP8 release format (DeepSeek-V3.1's, Qwen3-FP8's): the decoder layers' linear weights
+    block-quantized to float8_e4m3fn with float32 ``weight_scale_inv`` per 128 x 128 block, everything else bf16,
+    and ``quantization_config`` in config.json. Returns the directory."""
+    if dtype not in ("bfloat16", "float16", "float32", "float64", "fp8"):
+        raise ValueError(f"dtype must be bfloat16, float16, float32, float64 or fp8, got {dtype!r}")
     cfg = synthetic_config(family, num_layers, vocab_size, num_experts)
-    cfg["torch_dtype"] = dtype
+    fp8 = dtype == "fp8"
+    cfg["torch_dtype"] = "bfloat16" if fp8 else dtype
+    if fp8:
+        cfg["quantization_config"] = BlockFp8(RELEASE_BLOCK).config()
+        quantized = fp8_weight_pattern(spec_for_hf(cfg["architectures"]))
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     if (out / INDEX_FILE).exists() or (out / "config.json").exists():
         raise FileExistsError(f"{out} already holds a checkpoint")
-    tdtype = getattr(torch, dtype)
-    itemsize = torch.empty((), dtype=tdtype).element_size()
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in tensor_shapes(cfg):
-        nbytes = math.prod(shape) * itemsize
+        entries = _fp8_entries(name, shape, quantized) if fp8 else [(name, dtype, shape)]
+        nbytes = sum(math.prod(s) * torch.empty((), dtype=getattr(torch, t)).element_size() for _, t, s in entries)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
+        shards[-1].extend(entries)
         size += nbytes
     generator = torch.Generator().manual_seed(seed)
     weight_map, total = {}, 0
     for k, entries in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        f = StreamedFile(out / fname, [(n, dtype, s) for n, s in entries])
+        f = StreamedFile(out / fname, entries)
         try:
-            for name, shape in entries:
-                for block in _draw(name, shape, generator, tdtype):
-                    f.write(name, block)
-                weight_map[name] = fname
+            for name, tdtype, shape in entries:
+                if tdtype == "float8_e4m3fn":  # writes the scales that follow it too
+                    for stored, block in _draw_fp8(name, shape, generator):
+                        f.write(stored, block)
+                        weight_map[stored] = fname
+                elif not (fp8 and name.endswith(SCALE_SUFFIX)):
+                    for block in _draw(name, shape, generator, getattr(torch, tdtype)):
+                        f.write(name, block)
+                    weight_map[name] = fname
         except BaseException:
             f.abort()
             raise
