@@ -185,3 +185,21 @@ def test_obfuscation_perf_child_measures_a_tiny_model(tmp_path):
                   "fraction_of_float32_roofline", "cpu_utilisation"):
         assert r[field] > 0, field
     assert r["product_dtype"] == "torch.float64" and len(r["loadavg_1min"]) == 2  # float64 source: float64 output
+
+
+def test_scale_and_key_children_run_on_a_tiny_model(tmp_path):
+    """The scale_shapes and key_setup children on a tiny model and a small width: every field the experiments
+    read is there, the lossless equivalence holds, and the key child reports the secrets' digests."""
+    from aloepri.testing.tiny import build_tiny
+    from benchmarks.experiments import key_setup, scale_shapes
+
+    src = build_tiny("llama", tmp_path / "src")
+    t = scale_shapes._run_child("timing", [str(src), str(tmp_path / "t"), json.dumps(scale_shapes.NOISY), "1", "-"],
+                                1, tmp_path / "t.log")
+    assert t["flops"] > 0 and len(t["float32_probe_gflops"]) == 4 and t["block_seconds"] and t["peak_rss_kib"] > 0
+    e = scale_shapes._run_child("equivalence", [str(src), str(tmp_path / "e"), json.dumps(scale_shapes.LOSSLESS), "1"],
+                                1, tmp_path / "e.log")
+    assert e["relative_error"] < 1e-4 and e["top1_agreement"] == 1.0
+    k = key_setup._run_child(REPO / "src", 256, 1, "-", "-")
+    assert {"B", "B_inv", "Z", "P", "Q", "perm", "kappa"} <= set(k["sha256_16"]) and k["key_seconds"] > 0
+    assert k["sha256_16"] == key_setup._run_child(REPO / "src", 256, 1, "1", "-")["sha256_16"]  # one worker: same bits
