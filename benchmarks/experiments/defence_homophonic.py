@@ -118,7 +118,8 @@ def served_rows(src, plain, hom: Homophones, preset: str, head_noise_per_copy: b
     from aloepri.obfuscation.checkpoint import GGUFCheckpoint
     from aloepri.obfuscation.params import resolve_params
     from aloepri.obfuscation.pipeline import massive_activation_dims
-    from aloepri.obfuscation.secrets import ModelShape, SecretSampler
+    from aloepri.obfuscation.secrets import SecretSampler
+    from aloepri.obfuscation.shape import ModelShape
     from aloepri.obfuscation.transforms import obfuscate_embedding, obfuscate_head, split_norm_weight
 
     cfg = plain.config

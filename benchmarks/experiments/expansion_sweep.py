@@ -65,7 +65,7 @@ def run(s: Settings, store: ResultStore) -> None:
     from aloepri.attacks.ima import run_ima
     from aloepri.attacks.isa import ISAConfig, isa_anchor_attack, isa_attention_attack
     from aloepri.attacks.nearest_neighbour import run_nn
-    from aloepri.obfuscation.secrets import effective_h
+    from aloepri.obfuscation.shape import effective_h
 
     from ..lib.targets import obfuscated
     from ..lib.variants import parse_variant

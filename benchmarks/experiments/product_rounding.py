@@ -35,7 +35,8 @@ def run(a: Settings, store: ResultStore) -> None:
     import torch
 
     from aloepri.obfuscation.params import resolve_params
-    from aloepri.obfuscation.secrets import ModelShape, SecretSampler
+    from aloepri.obfuscation.secrets import SecretSampler
+    from aloepri.obfuscation.shape import ModelShape
     from aloepri.obfuscation.transforms import transform_reader_input
 
     gen = torch.Generator().manual_seed(0)

@@ -67,7 +67,7 @@ def run(s: Settings, store: ResultStore) -> None:
 
     import aloepri
     from aloepri.export.gguf import plaintext_reference_dir
-    from aloepri.obfuscation.secrets import effective_h
+    from aloepri.obfuscation.shape import effective_h
     from aloepri.runtime.tokenizer import load_tokenizer
 
     from ..lib import serving

@@ -31,7 +31,11 @@ def main(d: int, threads: int, workers: str, src: str) -> dict:
 
     from aloepri.obfuscation import keymat
     from aloepri.obfuscation.params import PRESETS
-    from aloepri.obfuscation.secrets import ModelShape, SecretSampler
+    from aloepri.obfuscation.secrets import SecretSampler
+    try:
+        from aloepri.obfuscation.shape import ModelShape
+    except ImportError:  # an older revision's source (the side-by-side comparison): ModelShape was in secrets
+        from aloepri.obfuscation.secrets import ModelShape
 
     torch.set_num_threads(threads)
     if workers != "-":

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from aloepri.obfuscation import keymat
-from aloepri.obfuscation.secrets import effective_h
+from aloepri.obfuscation.shape import effective_h
 from aloepri.obfuscation.transforms import (KEPT_NORM_WEIGHT_MAX, pair_permutation_matrix, rope_pair_rotation,
                                            split_norm_weight)
 
@@ -98,7 +98,8 @@ def test_conditioned_vo_mixing_is_well_conditioned():
     """The paper's Gaussian U_vo has condition numbers in the hundreds to thousands (they amplify fp16 rounding
     of v/o); the default draws it as O1 diag(s) O2 with s in [1/2, 2], so cond <= 4."""
     from aloepri.obfuscation.params import ObfuscationParams
-    from aloepri.obfuscation.secrets import ModelShape, SecretSampler
+    from aloepri.obfuscation.secrets import SecretSampler
+    from aloepri.obfuscation.shape import ModelShape
 
     shape = ModelShape(d=64, vocab_size=10, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=32, rope_base=1e4, qk_norm=False)
@@ -127,7 +128,7 @@ def test_split_norm_weight_keeps_products_and_clips_kept_dims_on_the_server():
 
 
 def _shape(d):
-    from aloepri.obfuscation.secrets import ModelShape
+    from aloepri.obfuscation.shape import ModelShape
 
     return ModelShape(d=d, vocab_size=10, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=d - d % 2,
                       intermediate_size=8, rope_base=1e4, qk_norm=False)

@@ -31,7 +31,7 @@ class LayerContext:
     """What every block transform of one model needs: the source reader, the secrets, the output writer."""
     source: Any  # checkpoint.SourceCheckpoint
     secrets: SecretSampler
-    shape: Any  # secrets.ModelShape
+    shape: Any  # shape.ModelShape
     spec: ArchSpec
     params: ObfuscationParams
     has_qkv_bias: bool

@@ -35,7 +35,8 @@ from .checkpoint import (AtomicOutputDir, BlockFp8Writer, CheckpointError, Shard
                          clean_stale_outputs, open_checkpoint)
 from .fp8 import RELEASE_BLOCK, BlockFp8
 from .params import PRESETS, ObfuscationParams
-from .secrets import ModelShape, SecretSampler, effective_h, resolve_seed
+from .secrets import SecretSampler, resolve_seed
+from .shape import ModelShape, effective_h
 from .sharding import check_tensor_parallel, layout_of
 from .transforms import padded_rope_theta, split_norm_weight
 

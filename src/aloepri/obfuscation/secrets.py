@@ -6,12 +6,12 @@ from the operating system's CSPRNG (256 bits) unless a caller explicitly asks fo
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from . import keymat
 from .params import ObfuscationParams
+from .shape import ModelShape, effective_h
 from .transforms import (AttentionSecrets, MLASecrets, pair_permutation_matrix, pair_scaling,
                          rope_pair_rotation)
 
@@ -40,35 +40,6 @@ def resolve_seed(seed: int | None, allow_weak_seed: bool = False) -> int:
             "can recover the whole key by trying small seeds; omit --seed for a fresh 256-bit secret, or pass "
             "--allow-weak-seed (API: allow_weak_seed=True) if you want a reproducible, INSECURE key for a test")
     return seed
-
-
-@dataclass
-class ModelShape:
-    d: int
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rope_base: float
-    qk_norm: bool
-    # multi-head latent attention (DeepSeek); zero when absent
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleaved: bool = False
-
-
-def effective_h(d: int, h: int, num_heads: int) -> int:
-    """Smallest even h' >= h such that num_heads divides d + 2h' (transformers requires it, even with an
-    explicit head_dim)."""
-    hh = h
-    while (d + 2 * hh) % num_heads:
-        hh += 1
-    return hh if hh % 2 == 0 else effective_h(d, hh + 1, num_heads)
 
 
 def expert_order(seed: int, layer: int, num_experts: int, groups: int = 1) -> np.ndarray:
