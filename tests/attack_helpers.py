@@ -1,6 +1,17 @@
 """Helpers for the tests that run attacks on the tiny random models (attacks/test_attacks_weights.py,
-cli/test_device.py)."""
+cli/test_device.py, attacks/test_attacks_behavioural.py)."""
 from __future__ import annotations
+
+import numpy as np
+
+from aloepri.attacks.base import PrivateData
+
+
+def random_private_data(vocab: int, seed: int = 0, low: int = 3) -> PrivateData:
+    """Four random 12-token prompts of ids in [low, vocab), every third position marked PII."""
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(low, vocab, size=12).tolist() for _ in range(4)]
+    return PrivateData([""] * 4, ids, [[j % 3 == 0 for j in range(12)] for _ in ids])
 
 
 class IdTokenizer:

@@ -17,15 +17,14 @@ from aloepri.attacks.base import AttackTarget, Budget, PrivateData
 from aloepri.attacks.behavioural import (Pairs, published_special_anchors, run_behavioural, template_anchors,
                                          wrap_requests)
 from aloepri.attacks.nearest_neighbour import permutation_only_target
+from attack_helpers import random_private_data
 
 CI = Budget.named("ci")
 TEMPLATE = ([1, 10, 11, 12], [13, 14, 15])  # stand-in chat template of the tiny models (they ship no tokenizer)
 
 
 def _data(vocab: int, seed: int = 0) -> PrivateData:
-    rng = np.random.default_rng(seed)
-    ids = [rng.integers(16, vocab, size=12).tolist() for _ in range(4)]
-    return PrivateData([""] * 4, ids, [[j % 3 == 0 for j in range(12)] for _ in ids])
+    return random_private_data(vocab, seed, low=16)
 
 
 @pytest.fixture(scope="module")

@@ -19,15 +19,13 @@ from aloepri.attacks.invariant import block_leverages
 from aloepri.attacks.nearest_neighbour import permutation_only_target
 from aloepri.attacks.report import ablation_params, markdown_table, run_attacks, write_report
 from aloepri.attacks.vma import consistent_sources, signatures, Source, gram
-from attack_helpers import IdTokenizer
+from attack_helpers import IdTokenizer, random_private_data
 
 CI = Budget.named("ci")
 
 
 def _data(vocab: int, seed: int = 0) -> PrivateData:
-    rng = np.random.default_rng(seed)
-    ids = [rng.integers(3, vocab, size=12).tolist() for _ in range(4)]
-    return PrivateData([""] * 4, ids, [[j % 3 == 0 for j in range(12)] for _ in ids])
+    return random_private_data(vocab, seed)
 
 
 @pytest.fixture(scope="module")
