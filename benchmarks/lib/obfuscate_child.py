@@ -9,12 +9,11 @@ import json
 import sys
 from pathlib import Path
 
+from .proc_status import status_kib
+
 
 def vm_hwm_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return status_kib("VmHWM") / 1024
 
 
 def main(argv: list[str]) -> int:

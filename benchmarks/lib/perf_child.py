@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .proc_status import status_kib
+
 
 class PhaseClock:
     """Exclusive wall time per phase on the main thread: time goes to the innermost phase entered. Calls from other
@@ -216,14 +218,6 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def vm_hwm_kib() -> int:
-    # VmHWM belongs to this process image (reset by exec); ru_maxrss would inherit the parent's high-water mark
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def main(argv: list[str]) -> int:
     import torch
 
@@ -243,7 +237,7 @@ def main(argv: list[str]) -> int:
         roofline.probe()
         roofline.probe32()
     roofline.seconds = roofline.cpu_seconds = 0.0
-    rss_before = vm_hwm_kib()
+    rss_before = status_kib("VmHWM")
     load_before = os.getloadavg()[0]
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
@@ -270,7 +264,7 @@ def main(argv: list[str]) -> int:
                       sum(p.stat().st_size for p in src.iterdir() if p.is_file()),
                       "wall_seconds": wall, "flops": res.flops,
                       "output_bytes": res.bytes_written, "hidden_size": res.hidden_size, "h": res.h,
-                      "rss_before_kib": rss_before, "peak_rss_kib": vm_hwm_kib(), "phase_seconds": phase,
+                      "rss_before_kib": rss_before, "peak_rss_kib": status_kib("VmHWM"), "phase_seconds": phase,
                       "background_seconds": clock.background, "block_seconds": block_seconds, "cpu": cpu,
                       "roofline_probe_gflops": roofline.float64, "float32_probe_gflops": roofline.float32,
                       "probe_size": probe_size, "product_dtype": seen["compute_dtype"],

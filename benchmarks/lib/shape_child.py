@@ -14,12 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _vm_hwm_kib() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
+from .proc_status import status_kib
 
 
 def timing(src: str, work: Path, overrides: dict, threads: int, device: str) -> dict:
@@ -34,7 +29,7 @@ def timing(src: str, work: Path, overrides: dict, threads: int, device: str) -> 
     probe = GemmProbe()
     for _ in range(2):
         probe()
-    rss0 = _vm_hwm_kib()
+    rss0 = status_kib("VmHWM")
     load0 = os.getloadavg()[0]
     extra = {} if device == "-" else {"device": device}
     t = time.perf_counter()
@@ -44,7 +39,7 @@ def timing(src: str, work: Path, overrides: dict, threads: int, device: str) -> 
     for _ in range(2):
         probe()
     return {"wall_seconds": wall, "flops": res.flops, "output_bytes": res.bytes_written,
-            "hidden_size": res.hidden_size, "peak_rss_kib": _vm_hwm_kib(), "rss_after_imports_kib": rss0,
+            "hidden_size": res.hidden_size, "peak_rss_kib": status_kib("VmHWM"), "rss_after_imports_kib": rss0,
             "float32_probe_gflops": probe.gflops, "block_seconds": res.block_seconds,
             "loadavg_1min": [load0, os.getloadavg()[0]], "torch_threads": torch.get_num_threads()}
 
