@@ -52,14 +52,27 @@ def machine() -> dict:
         info["load_average"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
-    try:
-        import torch
+    gpus = _gpus()
+    if gpus:
+        info["gpu"] = gpus
+    return info
 
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
+
+def _gpus() -> list[str]:
+    """The GPUs' names, without importing torch (a run's record is written before its experiment imports it):
+    from torch when it is already loaded, else from the NVIDIA driver's /proc entries."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # noqa: BLE001 - a machine description must not fail a run
         pass
-    return info
+    names = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith("Model:"):
+                names.append(line.split(":", 1)[1].strip())
+    return names
 
 
 def provenance(argv: list[str] | None = None, settings: dict | None = None) -> dict:
