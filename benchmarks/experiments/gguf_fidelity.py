@@ -243,7 +243,6 @@ def run(s: Settings, store: ResultStore) -> None:
     work = Path(s.workdir) / s.model
     work.mkdir(parents=True, exist_ok=True)
     study: dict = dict((store.get(STUDY) or {}))
-    study.pop("run", None), study.pop("written", None)
 
     def save_study() -> None:
         study.update(source=src.name, seeds=list(s.seeds), prompts=s.prompts, reply_tokens=s.reply_tokens,

@@ -224,8 +224,6 @@ def run(s: Settings, store: ResultStore) -> None:
         workdir = Path(tmp)
         for fam in s.families or FAMILIES:
             entry = dict(store.get(fam) or {})
-            entry.pop("run", None)
-            entry.pop("written", None)
             layers = max(s.layers, TIMING_LAYERS.get(fam, 0))
             if "timing" not in entry:
                 try:

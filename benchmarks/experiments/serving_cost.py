@@ -275,8 +275,6 @@ def report(store: ResultStore) -> str:
     e = store.entries()
     widths: dict[int, str] = {}
     for k, v in (e.get("widths") or {}).items():
-        if not isinstance(v, dict):  # the store's own fields (run, written)
-            continue
         widths[v["D"]] = f"{widths[v['D']]}, {k}" if v["D"] in widths else k
     rows = ["| engine | model | requested | TPOT ratio: median / paired / fastest | engine decode: median / fastest "
             "| TTFT ratio: median / paired | bytes read per token | same ids |", "|---|---|---|---|---|---|---|---|"]

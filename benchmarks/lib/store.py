@@ -51,10 +51,17 @@ class ResultStore:
         return data
 
     def entries(self) -> dict[str, dict]:
-        return self.load()["entries"]
+        """The stored values as they were put (without the store's own ``run`` and ``written`` fields)."""
+        return {k: _value(v) for k, v in self.load()["entries"].items()}
+
+    def written_by(self, key: str) -> dict | None:
+        """The run record (provenance) of the run that wrote ``key``."""
+        data = self.load()
+        entry = data["entries"].get(key)
+        return data["runs"][entry["run"]] if isinstance(entry, dict) and entry.get("run") is not None else None
 
     def has(self, key: str) -> bool:
-        return key in self.entries()
+        return key in self.load()["entries"]
 
     def get(self, key: str) -> dict | None:
         return self.entries().get(key)
@@ -105,8 +112,9 @@ class ResultStore:
         self.run_index = None
 
     def put(self, key: str, value: dict[str, Any]) -> None:
-        """Store one finished unit of work (resumable runs skip keys that ``has``). The entry gets two fields of
-        the store's own: ``run`` (index into the file's run records) and ``written`` (UTC time)."""
+        """Store one finished unit of work (resumable runs skip keys that ``has``). On disk the entry also holds two
+        fields of the store's own, ``run`` (index into the file's run records) and ``written`` (UTC time);
+        ``entries()`` gives the value without them."""
         if not isinstance(value, dict):
             raise TypeError("a result entry is a dict")
         with self._locked() as data:
@@ -121,6 +129,13 @@ class ResultStore:
     def figure_path(self, suffix: str = ".png") -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return self.path.with_suffix(suffix)
+
+
+_OWN_FIELDS = ("run", "written")
+
+
+def _value(entry):
+    return {k: v for k, v in entry.items() if k not in _OWN_FIELDS} if isinstance(entry, dict) else entry
 
 
 def _diff(old: dict | None, new: dict | None) -> str:
