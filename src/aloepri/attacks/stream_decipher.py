@@ -1,0 +1,473 @@
+"""Id-stream decipherment: what an observer of the request logs reads, holding the public model but not the key.
+
+The vocabulary permutation is a fixed 1:1 substitution cipher on token ids, so the classic decipherment methods
+apply (Knight et al. 2006; Ravi & Knight 2011; Nuhn et al. 2013): they use *context*, not only counts. The observer
+here holds what every observer of an open-weight deployment holds: the observed id stream (request by request),
+the public tokenizer and its chat template, public text, and (optionally) the public language model itself. It does
+not hold the obfuscated weights or the key.
+
+Stages (each a pure function on numpy / torch arrays):
+
+1. **Template anchors.** The public chat template's constant tokens sit at fixed offsets from both ends of every
+   request: known (cipher, plain) pairs for free (``behavioural.template_anchors``).
+2. **Frequency seed.** Every other observed id starts at the public reference token of the same frequency rank
+   (TFMA), restricted to the candidate plaintext tokens.
+3. **Context decipherment (iterated conditional modes).** For every observed cipher id ``c`` and every candidate
+   plaintext token ``v``, a score ``S[c, v]`` sums, over the occurrences of ``c``, the log-probability of ``v``
+   given its deciphered left neighbour and of the deciphered right neighbour given ``v`` under a smoothed bigram
+   model of the public text. A 1:1 assignment (greedy on per-row posteriors, most confident first; anchors fixed)
+   gives the next mapping; repeat.
+4. **Public-LM refinement** (the observer with the model). The public LM reads the deciphered requests (batched,
+   within a budget of tokens and seconds); at each position its next-token distribution scores every candidate for
+   the cipher id there, given the whole deciphered left context. Those scores replace the bigram's left-neighbour
+   term for the occurrences the LM read; reassign; repeat.
+
+Scoring needs the key and nothing else does: ``decipher_stream`` returns a full ``cipher -> plain`` guess.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from .behavioural import template_anchors
+
+
+@dataclass
+class BigramModel:
+    """Interpolated bigram model over plaintext ids, kept sparse:
+    ``log P(v | u) = base[v] + lift[u, v]`` with ``base = log((1 - lam) p(v))`` and
+    ``lift[u, v] = log(1 + lam c(u, v) / (c(u) (1 - lam) p(v)))``, non-zero only where the pair was seen."""
+
+    base: np.ndarray  # (V,) float64
+    lift: sp.csr_matrix  # (V, V)
+
+
+def bigram_model(reference: Sequence[Sequence[int]], vocab_size: int, lam: float = 0.8, add: float = 0.1
+                 ) -> BigramModel:
+    """A bigram model of public text (``reference``: token-id sequences; pairs never cross a sequence boundary).
+    Unigram with add-``add`` smoothing so that tokens absent from the reference stay possible."""
+    seqs = [np.asarray(s, np.int64) for s in reference if len(s)]
+    flat = np.concatenate(seqs) if seqs else np.zeros(0, np.int64)
+    uni = np.bincount(flat, minlength=vocab_size).astype(np.float64) + add
+    p = uni / uni.sum()
+    left = np.concatenate([s[:-1] for s in seqs]) if seqs else flat
+    right = np.concatenate([s[1:] for s in seqs]) if seqs else flat
+    pairs = sp.coo_matrix((np.ones(len(left)), (left, right)), shape=(vocab_size, vocab_size)).tocsr()
+    pairs.sum_duplicates()
+    ctx = np.asarray(pairs.sum(axis=1)).ravel()
+    coo = pairs.tocoo()
+    lift = np.log1p(lam * coo.data / (ctx[coo.row] * (1 - lam) * p[coo.col]))
+    return BigramModel(np.log((1 - lam) * p), sp.csr_matrix((lift, (coo.row, coo.col)), shape=pairs.shape))
+
+
+@dataclass
+class ObservedStream:
+    """The observed requests as row indices: ``rows[i]`` is the row (distinct cipher id) of each token of request i."""
+
+    cipher_ids: np.ndarray  # (R,) distinct observed cipher ids; row r is cipher_ids[r]
+    rows: list[np.ndarray]
+    counts: np.ndarray  # (R,) occurrences of each row
+
+    @classmethod
+    def of(cls, requests: Sequence[Sequence[int]]) -> "ObservedStream":
+        flat = np.concatenate([np.asarray(r, np.int64) for r in requests])
+        ids, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
+        rows, at = [], 0
+        for r in requests:
+            rows.append(inverse[at:at + len(r)])
+            at += len(r)
+        return cls(ids, rows, counts)
+
+
+def adjacency(stream: ObservedStream, skip_left: list[np.ndarray] | None = None
+              ) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    """(R, R) counts: ``left[r, q]`` = times row q immediately precedes row r; ``right[r, q]`` = times q follows r.
+    ``skip_left[i]``: positions of request i whose left-context evidence comes from elsewhere (the LM)."""
+    lr, lc = [], []
+    for i, rows in enumerate(stream.rows):
+        if len(rows) < 2:
+            continue
+        prev, cur = rows[:-1], rows[1:]
+        keep = np.ones(len(cur), bool)
+        if skip_left is not None and len(skip_left[i]):
+            keep[skip_left[i] - 1] = False
+        lr.append(np.stack([cur[keep], prev[keep]]))
+        lc.append(np.stack([prev, cur]))
+    n = len(stream.cipher_ids)
+
+    def counts(parts: list[np.ndarray]) -> sp.csr_matrix:
+        if not parts:
+            return sp.csr_matrix((n, n))
+        rc = np.concatenate(parts, axis=1)
+        return sp.coo_matrix((np.ones(rc.shape[1]), (rc[0], rc[1])), shape=(n, n)).tocsr()
+
+    return counts(lr), counts(lc)
+
+
+def belief_matrix(plain_of_row: np.ndarray | None, beliefs: tuple[np.ndarray, np.ndarray] | None,
+                  vocab_size: int, n_rows: int) -> sp.csr_matrix:
+    """(R, V) sparse beliefs about each row's plaintext: one-hot rows from a hard mapping (-1: unknown, empty row)
+    or the (top candidates, probabilities) of a soft one."""
+    if beliefs is None:
+        ok = plain_of_row >= 0
+        return sp.csr_matrix((np.ones(int(ok.sum())), (np.flatnonzero(ok), plain_of_row[ok])),
+                             shape=(n_rows, vocab_size))
+    cols, probs = beliefs
+    rows = np.repeat(np.arange(n_rows), cols.shape[1])
+    return sp.csr_matrix((probs.ravel(), (rows, cols.ravel())), shape=(n_rows, vocab_size))
+
+
+def context_scores(model: BigramModel, left: sp.csr_matrix, right: sp.csr_matrix, belief: sp.csr_matrix,
+                   columns: np.ndarray) -> np.ndarray:
+    """(R, C) expected log-likelihood lift of each candidate column from the row's neighbours under the current
+    beliefs: ``sum_q left[r,q] E_q[lift(u, v)] + sum_q right[r,q] E_q[lift(v, w)]`` (the base terms are added by
+    ``unigram_scores``; the right neighbour's base does not depend on v)."""
+    ctx_left = left @ belief  # (R, V) expected counts of each plaintext left neighbour
+    ctx_right = right @ belief
+    scores = np.asarray((ctx_left @ model.lift[:, columns]).todense(), np.float64)
+    scores += np.asarray((ctx_right @ model.lift[columns, :].T).todense(), np.float64)
+    return scores
+
+
+def unigram_scores(model: BigramModel, counts: np.ndarray, total: int, columns: np.ndarray) -> np.ndarray:
+    """(R, C) Poisson log-likelihood of each row's observed count if it were the candidate:
+    ``n_r log p(v) - N p(v)`` (up to terms constant in v). The ``- N p(v)`` part is what keeps a rare cipher id
+    off a frequent plaintext token."""
+    p = np.exp(model.base[columns]) / np.exp(model.base).sum()
+    return counts[:, None] * np.log(p)[None, :] - total * p[None, :]
+
+
+def soft_beliefs(scores: np.ndarray, columns: np.ndarray, fixed: dict[int, int], temperature: float,
+                 top_k: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Mean-field beliefs: per row, the top-k candidates and their softmax(scores / T) weights; anchors one-hot."""
+    k = min(top_k, scores.shape[1])
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    val = np.take_along_axis(scores, top, axis=1) / temperature
+    val = np.exp(val - val.max(axis=1, keepdims=True))
+    val /= val.sum(axis=1, keepdims=True)
+    cols = columns[top]
+    for r, v in fixed.items():
+        cols[r] = v
+        val[r] = 0.0
+        val[r, 0] = 1.0
+    return cols, val
+
+
+def assign_one_to_one(scores: np.ndarray, columns: np.ndarray, fixed: dict[int, int], top_k: int = 16
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """A 1:1 row -> plain assignment, most confident first. ``fixed``: row -> plain (anchors), assigned first and
+    kept. Confidence of (row, candidate) = the candidate's log-posterior in its row (softmax over the row), so rows
+    seen often do not win only by magnitude. Returns (plain per row, -1 where no free candidate remained; the
+    winning log-posterior per row)."""
+    n_rows = scores.shape[0]
+    out = np.full(n_rows, -1, np.int64)
+    conf = np.full(n_rows, -np.inf)
+    taken: set[int] = set()
+    for r, v in fixed.items():
+        out[r], conf[r] = v, 0.0
+        taken.add(v)
+    lse = np.logaddexp.reduce(scores, axis=1, keepdims=True)
+    post = scores - lse
+    k = min(top_k, scores.shape[1])
+    top = np.argpartition(-post, k - 1, axis=1)[:, :k]
+    cand_rows = np.repeat(np.arange(n_rows), k)
+    cand_cols = top.ravel()
+    cand_post = post[cand_rows, cand_cols]
+    for j in np.argsort(-cand_post, kind="stable"):
+        r, v = int(cand_rows[j]), int(columns[cand_cols[j]])
+        if out[r] >= 0 or v in taken:
+            continue
+        out[r], conf[r] = v, float(cand_post[j])
+        taken.add(v)
+    return out, conf
+
+
+@dataclass
+class LMScorer:
+    """Scores candidates with a causal LM over deciphered requests. ``model(input_ids, attention_mask)`` returns
+    logits (the public model, any device); ``batch`` requests per forward pass."""
+
+    model: torch.nn.Module
+    batch: int = 4
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @torch.no_grad()
+    def scores(self, stream: ObservedStream, plain_of_row: np.ndarray, requests: Sequence[int], columns: np.ndarray,
+               scored: np.ndarray, bos: int | None = None) -> np.ndarray:
+        """(R, C) sum over the chosen requests' positions (where ``scored[row]``) of log P_LM(candidate | deciphered
+        left context). Position 0 has no left context and is skipped unless ``bos`` is given."""
+        out = torch.zeros(len(stream.cipher_ids), len(columns), dtype=torch.float64)
+        cols = torch.as_tensor(columns, device=self.device)
+        for a in range(0, len(requests), self.batch):
+            chunk = [stream.rows[i] for i in requests[a:a + self.batch]]
+            plain = [np.where(plain_of_row[r] >= 0, plain_of_row[r], 0) for r in chunk]
+            if bos is not None:
+                plain = [np.concatenate([[bos], p]) for p in plain]
+            n = max(len(p) for p in plain)
+            ids = torch.zeros(len(plain), n, dtype=torch.long)
+            mask = torch.zeros(len(plain), n, dtype=torch.long)
+            for j, p in enumerate(plain):
+                ids[j, :len(p)] = torch.as_tensor(p)
+                mask[j, :len(p)] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            shift = 0 if bos is not None else 1
+            for j, rows in enumerate(chunk):
+                pos = np.arange(shift, len(rows))
+                pos = pos[scored[rows[pos]]]
+                if not len(pos):
+                    continue
+                # logits at position t-1 predict token t (with a BOS prepended, position t predicts token t)
+                pred = logp[j, torch.as_tensor(pos - shift, device=self.device)][:, cols]
+                out.index_add_(0, torch.as_tensor(rows[pos]), pred.double().cpu())
+        return out.numpy()
+
+
+def anneal_mapping(left: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarray, start: np.ndarray,
+                   fixed: dict[int, int], proposals: np.ndarray, weights: np.ndarray, steps: int,
+                   t_start: float = 3.0, t_end: float = 0.05, seed: int = 0) -> np.ndarray:
+    """Simulated annealing over the 1:1 mapping row -> candidate column, on the exact bigram log-likelihood of the
+    observed stream plus the unigram (Poisson) term.
+
+    ``left[r, q]``: times row q precedes row r. ``prior`` (C,): ``- N p(c)``, the part of the Poisson count
+    likelihood that the sequence likelihood lacks (a rare id on a frequent token is penalised).
+    ``log_bigram`` (C, C): log P(col b | col a).
+    ``start`` (R,): a column per row, all distinct. A move re-maps a row (drawn by ``weights``) to one of its
+    ``proposals`` (R, k) columns; if another row holds that column the two swap. Anchors never move."""
+    rng = np.random.default_rng(seed)
+    m = start.copy()
+    holder = {int(c): r for r, c in enumerate(m)}
+    right = left.T.tocsr()
+    l_ptr, l_idx, l_val = left.indptr, left.indices, left.data
+    r_ptr, r_idx, r_val = right.indptr, right.indices, right.data
+    movable = np.array([r for r in range(len(m)) if r not in fixed])
+    w = weights[movable] / weights[movable].sum()
+    rows = rng.choice(movable, size=steps, p=w)
+    picks = rng.integers(0, proposals.shape[1], size=steps)
+    temps = t_start * (t_end / t_start) ** (np.arange(steps) / max(1, steps - 1))
+    accept = rng.random(steps)
+
+    def energy(r: int, c: int) -> float:
+        li, lv = l_idx[l_ptr[r]:l_ptr[r + 1]], l_val[l_ptr[r]:l_ptr[r + 1]]
+        ri, rv = r_idx[r_ptr[r]:r_ptr[r + 1]], r_val[r_ptr[r]:r_ptr[r + 1]]
+        return float(prior[c] + lv @ log_bigram[m[li], c] + rv @ log_bigram[c, m[ri]])
+
+    for r, j, temp, u in zip(rows.tolist(), picks.tolist(), temps.tolist(), accept.tolist()):
+        c_new = int(proposals[r, j])
+        c_old = int(m[r])
+        if c_new == c_old:
+            continue
+        s = holder.get(c_new)
+        if s is not None and s in fixed:
+            continue
+        if s is None:
+            before = energy(r, c_old)
+            m[r] = c_new
+            delta = energy(r, c_new) - before
+        else:
+            # pairs between r and s are counted in both rows' energies, before and after alike
+            before = energy(r, c_old) + energy(s, c_new)
+            m[r], m[s] = c_new, c_old
+            delta = energy(r, c_new) + energy(s, c_old) - before
+        if delta >= 0 or u < np.exp(delta / temp):
+            holder.pop(c_old, None)
+            holder[c_new] = r
+            if s is not None:
+                holder[c_old] = s
+        else:
+            m[r] = c_old
+            if s is not None:
+                m[s] = c_new
+    return m
+
+
+@torch.no_grad()
+def lm_online_decode(model: torch.nn.Module, stream: ObservedStream, requests: Sequence[int], evidence: np.ndarray,
+                     columns: np.ndarray, fixed: dict[int, int], batch: int = 8, seconds: float = float("inf"),
+                     device: torch.device | str = "cpu") -> list[int]:
+    """Decipher ``requests`` left to right with the public LM, accumulating evidence across the whole stream.
+
+    ``evidence`` (R, C) holds what is known of each row so far (frequency prior, earlier occurrences) and is
+    updated in place: at every position the LM's next-token log-probabilities, given the request's deciphered
+    left context, are added to the row of the cipher id there, and the row's current best candidate becomes the
+    token fed to the LM (anchors are fed as themselves). The first occurrences of each id are thus decided from a
+    clean context (template anchors plus what was already deciphered), and later occurrences correct them. Requests
+    go in batches with a KV cache; returns the requests read within ``seconds``."""
+    t0 = time.perf_counter()
+    cols = torch.as_tensor(columns, device=device)
+    fixed_plain = np.full(len(stream.cipher_ids), -1, np.int64)
+    for r, v in fixed.items():
+        fixed_plain[r] = v
+    read: list[int] = []
+    for a in range(0, len(requests), batch):
+        if time.perf_counter() - t0 > seconds:
+            break
+        part = list(requests[a:a + batch])
+        rows = [stream.rows[i] for i in part]
+        n = max(len(r) for r in rows)
+        past, logp = None, None
+        for t in range(n):
+            live = [j for j, r in enumerate(rows) if t < len(r)]
+            feed = np.zeros(len(rows), np.int64)
+            for j in live:
+                r = int(rows[j][t])
+                if fixed_plain[r] >= 0:
+                    feed[j] = fixed_plain[r]
+                    continue
+                if logp is not None:
+                    evidence[r] += logp[j]
+                feed[j] = columns[int(np.argmax(evidence[r]))]
+            out = model(input_ids=torch.as_tensor(feed, device=device)[:, None], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)[:, cols].double().cpu().numpy()
+        read += part
+    return read
+
+
+def anneal_stage(model: BigramModel, left: sp.csr_matrix, scores: np.ndarray, columns: np.ndarray,
+                 plain_of_row: np.ndarray, fixed: dict[int, int], counts: np.ndarray, total: int, steps: int,
+                 n_candidates: int, seed: int, top_k: int = 12, wide: int = 4) -> np.ndarray:
+    """Anneal the 1:1 mapping on a dense candidate set: the ``n_candidates`` most frequent reference tokens plus
+    every token the current mapping uses. Proposals per row: its ``top_k`` columns by ``scores`` (the mean-field
+    evidence) and ``wide`` random columns of similar reference frequency."""
+    rng = np.random.default_rng(seed)
+    assigned = plain_of_row[plain_of_row >= 0]
+    cand = np.union1d(columns[:n_candidates] if len(columns) > n_candidates else columns, assigned)
+    # columns are sorted by id in ``columns``: rank them by reference frequency for the "similar frequency" moves
+    p = np.exp(model.base)
+    by_freq = cand[np.argsort(-p[cand], kind="stable")]
+    index_of = np.full(len(p), -1, np.int64)
+    index_of[cand] = np.arange(len(cand))
+    log_bigram = model.base[cand][None, :] + np.asarray(model.lift[cand][:, cand].todense())
+    prior = -total * p[cand] / p.sum()
+    in_cand = index_of[columns] >= 0
+    sc = np.where(in_cand[None, :], scores, -np.inf)
+    k = min(top_k, int(in_cand.sum()))
+    top = index_of[columns[np.argpartition(-sc, k - 1, axis=1)[:, :k]]]
+    rank_of_row = np.empty(len(counts), np.int64)
+    rank_of_row[np.argsort(-counts, kind="stable")] = np.arange(len(counts))
+    spread = np.clip(rank_of_row[:, None] + rng.integers(-50, 51, (len(counts), wide)) * np.maximum(
+        1, rank_of_row[:, None] // 20), 0, len(cand) - 1)
+    proposals = np.concatenate([top, index_of[by_freq[spread]]], axis=1)
+    start = index_of[np.where(plain_of_row >= 0, plain_of_row, cand[0])]
+    fixed_idx = {r: int(index_of[v]) for r, v in fixed.items()}
+    # a row without a column (the greedy ran out) takes a free one so that the start is a 1:1 mapping
+    free_cols = iter(np.setdiff1d(np.arange(len(cand)), start[plain_of_row >= 0]))
+    for r in np.flatnonzero(plain_of_row < 0):
+        start[r] = next(free_cols)
+    m = anneal_mapping(left, prior, log_bigram, start, fixed_idx, proposals, np.sqrt(counts), steps, seed=seed)
+    return cand[m]
+
+
+@dataclass
+class DecipherResult:
+    """The observer's guess and how it got there."""
+
+    obf_to_plain: np.ndarray  # (V,) guess per cipher id (-1: never observed / unassigned)
+    anchors: int  # known pairs from the template
+    trace: list[dict]  # per iteration: stage, seconds, tokens the LM read, and (if scored) recovery
+    seconds: float
+
+
+def frequency_seed(stream: ObservedStream, reference_counts: np.ndarray, columns: np.ndarray,
+                   fixed: dict[int, int]) -> np.ndarray:
+    """TFMA restricted to the candidates: free rows by observed count meet free columns by reference count."""
+    out = np.full(len(stream.cipher_ids), -1, np.int64)
+    for r, v in fixed.items():
+        out[r] = v
+    used = set(fixed.values())
+    free_rows = [r for r in np.argsort(-stream.counts, kind="stable") if r not in fixed]
+    free_cols = [int(c) for c in columns[np.argsort(-reference_counts[columns], kind="stable")] if int(c) not in used]
+    for r, v in zip(free_rows, free_cols):
+        out[r] = v
+    return out
+
+
+def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, reference: Sequence[Sequence[int]],
+                    prefix: Sequence[int] = (), suffix: Sequence[int] = (), *, iterations: int = 0,
+                    lm: LMScorer | None = None, lm_iterations: int = 2, lm_tokens: int = 20_000,
+                    lm_seconds: float = 600.0, max_candidates: int = 30_000,
+                    temperatures: Sequence[float] = (16.0, 8.0, 4.0, 2.0, 1.0), anneal_steps: int = 300,
+                    anneal_candidates: int = 8000, bos: int | None = None,
+                    seed: int = 0, progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
+    """Decipher the observed ``requests`` (cipher ids, one sequence per request) into plaintext ids.
+
+    ``reference``: public plaintext token sequences (the observer's text). ``prefix`` / ``suffix``: the public chat
+    template's constant ids around a user message (anchors). ``lm``: the public model; ``lm_tokens`` /
+    ``lm_seconds``: its budget per LM iteration (requests sampled until the token budget; the iteration stops at
+    the time budget). ``max_candidates``: plaintext tokens considered (most frequent in the reference first, anchors
+    always). ``progress(entry, obf_to_plain)`` may score an iteration (the caller holds the key) and returns
+    fields to record."""
+    t0 = time.perf_counter()
+    stream = ObservedStream.of(requests)
+    row_of = {int(c): r for r, c in enumerate(stream.cipher_ids)}
+    fixed = {row_of[c]: p for c, p in template_anchors(prefix, suffix, requests) if c in row_of} if prefix or suffix \
+        else {}
+    ref_counts = np.bincount(np.concatenate([np.asarray(s, np.int64) for s in reference]), minlength=vocab_size)
+    seen = np.flatnonzero(ref_counts)
+    columns = seen[np.argsort(-ref_counts[seen], kind="stable")][:max_candidates]
+    columns = np.union1d(columns, np.fromiter(fixed.values(), np.int64, len(fixed)))
+    model = bigram_model(reference, vocab_size)
+    plain_of_row = frequency_seed(stream, ref_counts, columns, fixed)
+    trace: list[dict] = []
+
+    def to_full(p: np.ndarray) -> np.ndarray:
+        full = np.full(vocab_size, -1, np.int64)
+        full[stream.cipher_ids] = p
+        return full
+
+    def record(entry: dict) -> None:
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        if progress is not None:
+            entry.update(progress(entry, to_full(plain_of_row)))
+        trace.append(entry)
+
+    record({"stage": "frequency seed", "anchors": len(fixed)})
+    free = np.ones(len(stream.cipher_ids), bool)
+    free[list(fixed)] = False
+    total = int(stream.counts[free].sum())
+    counts = stream.counts.astype(np.float64)
+    uni = unigram_scores(model, counts, total, columns)
+    left, right = adjacency(stream)
+    # mean-field annealing: beliefs start from the counts alone and sharpen as the temperature falls
+    beliefs = soft_beliefs(uni, columns, fixed, temperatures[0])
+    for it, temp in enumerate(temperatures):
+        scores = uni + context_scores(model, left, right, belief_matrix(None, beliefs, vocab_size, len(counts)),
+                                      columns)
+        beliefs = soft_beliefs(scores, columns, fixed, temp)
+        plain_of_row = columns[np.argmax(scores, axis=1)]
+        plain_of_row[list(fixed)] = list(fixed.values())
+        record({"stage": f"mean-field T={temp:g}"})
+    plain_of_row, _ = assign_one_to_one(scores, columns, fixed)
+    record({"stage": "1:1 assignment"})
+    if anneal_steps:
+        plain_of_row = anneal_stage(model, left, scores, columns, plain_of_row, fixed, counts, total,
+                                    anneal_steps * len(counts), anneal_candidates, seed)
+        record({"stage": "annealing", "steps": anneal_steps * len(counts)})
+    for it in range(iterations):
+        scores = uni + context_scores(model, left, right, belief_matrix(plain_of_row, None, vocab_size,
+                                                                        len(counts)), columns)
+        plain_of_row, _ = assign_one_to_one(scores, columns, fixed)
+        record({"stage": f"bigram ICM {it + 1}"})
+    if lm is not None:
+        t_lm = time.perf_counter()
+        order = np.random.default_rng(seed).permutation(len(requests))
+        lengths = np.array([len(r) for r in stream.rows])
+        chosen = order[: int(np.searchsorted(np.cumsum(lengths[order]), lm_tokens) + 1)]
+        # the LM's evidence starts from the frequency prior alone (the bigram mapping is too noisy to condition on)
+        evidence = uni.copy()
+        read = lm_online_decode(lm.model, stream, chosen, evidence, columns, fixed, lm.batch, lm_seconds, lm.device)
+        plain_of_row, _ = assign_one_to_one(evidence, columns, fixed)
+        record({"stage": "lm online", "lm_requests": len(read), "lm_tokens": int(lengths[read].sum()),
+                "lm_seconds": round(time.perf_counter() - t_lm, 1)})
+        for it in range(iterations):
+            scores = evidence + context_scores(model, left, right, belief_matrix(plain_of_row, None, vocab_size,
+                                                                                 len(counts)), columns)
+            plain_of_row, _ = assign_one_to_one(scores, columns, fixed)
+            record({"stage": f"lm + bigram ICM {it + 1}"})
+    return DecipherResult(to_full(plain_of_row), len(fixed), trace, round(time.perf_counter() - t0, 1))
