@@ -196,6 +196,22 @@ class LMScorer:
     batch: int = 4
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
+    def _log_probs(self, stream: ObservedStream, plain_of_row: np.ndarray, part: Sequence[int], bos: int | None):
+        """Deciphered requests ``part`` through the LM: (log-probs (B, T, V), the row at each position, the
+        position shift: logits at index t - shift predict token t)."""
+        chunk = [stream.rows[i] for i in part]
+        plain = [np.where(plain_of_row[r] >= 0, plain_of_row[r], 0) for r in chunk]
+        if bos is not None:
+            plain = [np.concatenate([[bos], p]) for p in plain]
+        n = max(len(p) for p in plain)
+        ids = torch.zeros(len(plain), n, dtype=torch.long)
+        mask = torch.zeros(len(plain), n, dtype=torch.long)
+        for j, p in enumerate(plain):
+            ids[j, :len(p)] = torch.as_tensor(p)
+            mask[j, :len(p)] = 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        return torch.log_softmax(logits.float(), dim=-1), chunk, (0 if bos is not None else 1)
+
     @torch.no_grad()
     def scores(self, stream: ObservedStream, plain_of_row: np.ndarray, requests: Sequence[int], columns: np.ndarray,
                scored: np.ndarray, bos: int | None = None) -> np.ndarray:
@@ -204,40 +220,44 @@ class LMScorer:
         out = torch.zeros(len(stream.cipher_ids), len(columns), dtype=torch.float64)
         cols = torch.as_tensor(columns, device=self.device)
         for a in range(0, len(requests), self.batch):
-            chunk = [stream.rows[i] for i in requests[a:a + self.batch]]
-            plain = [np.where(plain_of_row[r] >= 0, plain_of_row[r], 0) for r in chunk]
-            if bos is not None:
-                plain = [np.concatenate([[bos], p]) for p in plain]
-            n = max(len(p) for p in plain)
-            ids = torch.zeros(len(plain), n, dtype=torch.long)
-            mask = torch.zeros(len(plain), n, dtype=torch.long)
-            for j, p in enumerate(plain):
-                ids[j, :len(p)] = torch.as_tensor(p)
-                mask[j, :len(p)] = 1
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            shift = 0 if bos is not None else 1
+            logp, chunk, shift = self._log_probs(stream, plain_of_row, requests[a:a + self.batch], bos)
             for j, rows in enumerate(chunk):
                 pos = np.arange(shift, len(rows))
                 pos = pos[scored[rows[pos]]]
-                if not len(pos):
-                    continue
-                # logits at position t-1 predict token t (with a BOS prepended, position t predicts token t)
-                pred = logp[j, torch.as_tensor(pos - shift, device=self.device)][:, cols]
-                out.index_add_(0, torch.as_tensor(rows[pos]), pred.double().cpu())
+                if len(pos):
+                    pred = logp[j, torch.as_tensor(pos - shift, device=self.device)][:, cols]
+                    out.index_add_(0, torch.as_tensor(rows[pos]), pred.double().cpu())
         return out.numpy()
+
+    @torch.no_grad()
+    def loss(self, stream: ObservedStream, plain_of_row: np.ndarray, requests: Sequence[int], scored: np.ndarray,
+             bos: int | None = None) -> float:
+        """Mean negative log-likelihood, under the LM, of the deciphered tokens at positions where ``scored[row]``:
+        the observer's key-free yardstick (the traffic was written for, and partly by, this model)."""
+        total, n = 0.0, 0
+        for a in range(0, len(requests), self.batch):
+            logp, chunk, shift = self._log_probs(stream, plain_of_row, requests[a:a + self.batch], bos)
+            for j, rows in enumerate(chunk):
+                pos = np.arange(shift, len(rows))
+                pos = pos[scored[rows[pos]]]
+                if len(pos):
+                    tok = torch.as_tensor(np.where(plain_of_row[rows[pos]] >= 0, plain_of_row[rows[pos]], 0))
+                    total -= float(logp[j, torch.as_tensor(pos - shift)].gather(1, tok[:, None]).sum())
+                    n += len(pos)
+        return total / max(n, 1)
 
 
 def anneal_mapping(left: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarray, start: np.ndarray,
                    fixed: dict[int, int], proposals: np.ndarray, weights: np.ndarray, steps: int,
-                   t_start: float = 3.0, t_end: float = 0.05, seed: int = 0) -> np.ndarray:
+                   t_start: float = 3.0, t_end: float = 0.05, seed: int = 0, unary: np.ndarray | None = None
+                   ) -> np.ndarray:
     """Simulated annealing over the 1:1 mapping row -> candidate column, on the exact bigram log-likelihood of the
     observed stream plus the unigram (Poisson) term.
 
     ``left[r, q]``: times row q precedes row r. ``prior`` (C,): ``- N p(c)``, the part of the Poisson count
     likelihood that the sequence likelihood lacks (a rare id on a frequent token is penalised).
-    ``log_bigram`` (C, C): log P(col b | col a).
-    ``start`` (R,): a column per row, all distinct. A move re-maps a row (drawn by ``weights``) to one of its
+    ``log_bigram`` (C, C): log P(col b | col a). ``unary`` (R, C), optional: more evidence per row and column
+    (the public LM's log-probabilities). ``start`` (R,): a column per row, all distinct. A move re-maps a row (drawn by ``weights``) to one of its
     ``proposals`` (R, k) columns; if another row holds that column the two swap. Anchors never move."""
     rng = np.random.default_rng(seed)
     m = start.copy()
@@ -255,7 +275,8 @@ def anneal_mapping(left: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarra
     def energy(r: int, c: int) -> float:
         li, lv = l_idx[l_ptr[r]:l_ptr[r + 1]], l_val[l_ptr[r]:l_ptr[r + 1]]
         ri, rv = r_idx[r_ptr[r]:r_ptr[r + 1]], r_val[r_ptr[r]:r_ptr[r + 1]]
-        return float(prior[c] + lv @ log_bigram[m[li], c] + rv @ log_bigram[c, m[ri]])
+        own = prior[c] if unary is None else prior[c] + unary[r, c]
+        return float(own + lv @ log_bigram[m[li], c] + rv @ log_bigram[c, m[ri]])
 
     for r, j, temp, u in zip(rows.tolist(), picks.tolist(), temps.tolist(), accept.tolist()):
         c_new = int(proposals[r, j])
@@ -286,52 +307,10 @@ def anneal_mapping(left: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarra
     return m
 
 
-@torch.no_grad()
-def lm_online_decode(model: torch.nn.Module, stream: ObservedStream, requests: Sequence[int], evidence: np.ndarray,
-                     columns: np.ndarray, fixed: dict[int, int], batch: int = 8, seconds: float = float("inf"),
-                     device: torch.device | str = "cpu") -> list[int]:
-    """Decipher ``requests`` left to right with the public LM, accumulating evidence across the whole stream.
-
-    ``evidence`` (R, C) holds what is known of each row so far (frequency prior, earlier occurrences) and is
-    updated in place: at every position the LM's next-token log-probabilities, given the request's deciphered
-    left context, are added to the row of the cipher id there, and the row's current best candidate becomes the
-    token fed to the LM (anchors are fed as themselves). The first occurrences of each id are thus decided from a
-    clean context (template anchors plus what was already deciphered), and later occurrences correct them. Requests
-    go in batches with a KV cache; returns the requests read within ``seconds``."""
-    t0 = time.perf_counter()
-    cols = torch.as_tensor(columns, device=device)
-    fixed_plain = np.full(len(stream.cipher_ids), -1, np.int64)
-    for r, v in fixed.items():
-        fixed_plain[r] = v
-    read: list[int] = []
-    for a in range(0, len(requests), batch):
-        if time.perf_counter() - t0 > seconds:
-            break
-        part = list(requests[a:a + batch])
-        rows = [stream.rows[i] for i in part]
-        n = max(len(r) for r in rows)
-        past, logp = None, None
-        for t in range(n):
-            live = [j for j, r in enumerate(rows) if t < len(r)]
-            feed = np.zeros(len(rows), np.int64)
-            for j in live:
-                r = int(rows[j][t])
-                if fixed_plain[r] >= 0:
-                    feed[j] = fixed_plain[r]
-                    continue
-                if logp is not None:
-                    evidence[r] += logp[j]
-                feed[j] = columns[int(np.argmax(evidence[r]))]
-            out = model(input_ids=torch.as_tensor(feed, device=device)[:, None], past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)[:, cols].double().cpu().numpy()
-        read += part
-    return read
-
-
 def anneal_stage(model: BigramModel, left: sp.csr_matrix, scores: np.ndarray, columns: np.ndarray,
                  plain_of_row: np.ndarray, fixed: dict[int, int], counts: np.ndarray, total: int, steps: int,
-                 n_candidates: int, seed: int, top_k: int = 12, wide: int = 4) -> np.ndarray:
+                 n_candidates: int, seed: int, top_k: int = 12, wide: int = 4, lm_scores: np.ndarray | None = None,
+                 t_start: float = 3.0) -> np.ndarray:
     """Anneal the 1:1 mapping on a dense candidate set: the ``n_candidates`` most frequent reference tokens plus
     every token the current mapping uses. Proposals per row: its ``top_k`` columns by ``scores`` (the mean-field
     evidence) and ``wide`` random columns of similar reference frequency."""
@@ -360,7 +339,12 @@ def anneal_stage(model: BigramModel, left: sp.csr_matrix, scores: np.ndarray, co
     free_cols = iter(np.setdiff1d(np.arange(len(cand)), start[plain_of_row >= 0]))
     for r in np.flatnonzero(plain_of_row < 0):
         start[r] = next(free_cols)
-    m = anneal_mapping(left, prior, log_bigram, start, fixed_idx, proposals, np.sqrt(counts), steps, seed=seed)
+    unary = None
+    if lm_scores is not None:
+        unary = np.zeros((len(counts), len(cand)), np.float32)
+        unary[:, index_of[columns[in_cand]]] = lm_scores[:, in_cand]
+    m = anneal_mapping(left, prior, log_bigram, start, fixed_idx, proposals, np.sqrt(counts), steps,
+                       t_start=t_start, seed=seed, unary=unary)
     return cand[m]
 
 
@@ -390,7 +374,8 @@ def frequency_seed(stream: ObservedStream, reference_counts: np.ndarray, columns
 
 def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, reference: Sequence[Sequence[int]],
                     prefix: Sequence[int] = (), suffix: Sequence[int] = (), *, iterations: int = 0,
-                    lm: LMScorer | None = None, lm_iterations: int = 2, lm_tokens: int = 20_000,
+                    lm: LMScorer | None = None, lm_weights: Sequence[float] = (0.3,), restarts: int = 1,
+                    lm_tokens: int = 20_000, lm_judge_tokens: int = 3_000,
                     lm_seconds: float = 600.0, max_candidates: int = 30_000,
                     temperatures: Sequence[float] = (16.0, 8.0, 4.0, 2.0, 1.0), anneal_steps: int = 300,
                     anneal_candidates: int = 8000, bos: int | None = None,
@@ -445,6 +430,7 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
         record({"stage": f"mean-field T={temp:g}"})
     plain_of_row, _ = assign_one_to_one(scores, columns, fixed)
     record({"stage": "1:1 assignment"})
+    start_of_anneal = plain_of_row
     if anneal_steps:
         plain_of_row = anneal_stage(model, left, scores, columns, plain_of_row, fixed, counts, total,
                                     anneal_steps * len(counts), anneal_candidates, seed)
@@ -455,19 +441,38 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
         plain_of_row, _ = assign_one_to_one(scores, columns, fixed)
         record({"stage": f"bigram ICM {it + 1}"})
     if lm is not None:
-        t_lm = time.perf_counter()
         order = np.random.default_rng(seed).permutation(len(requests))
         lengths = np.array([len(r) for r in stream.rows])
-        chosen = order[: int(np.searchsorted(np.cumsum(lengths[order]), lm_tokens) + 1)]
-        # the LM's evidence starts from the frequency prior alone (the bigram mapping is too noisy to condition on)
-        evidence = uni.copy()
-        read = lm_online_decode(lm.model, stream, chosen, evidence, columns, fixed, lm.batch, lm_seconds, lm.device)
-        plain_of_row, _ = assign_one_to_one(evidence, columns, fixed)
-        record({"stage": "lm online", "lm_requests": len(read), "lm_tokens": int(lengths[read].sum()),
-                "lm_seconds": round(time.perf_counter() - t_lm, 1)})
-        for it in range(iterations):
-            scores = evidence + context_scores(model, left, right, belief_matrix(plain_of_row, None, vocab_size,
-                                                                                 len(counts)), columns)
-            plain_of_row, _ = assign_one_to_one(scores, columns, fixed)
-            record({"stage": f"lm + bigram ICM {it + 1}"})
+        chosen = order[: int(np.searchsorted(np.cumsum(lengths[order]), lm_tokens) + 1)].tolist()
+        judge = chosen[: int(np.searchsorted(np.cumsum(lengths[chosen]), lm_judge_tokens) + 1)]
+        best_loss = lm.loss(stream, plain_of_row, judge, free, bos)
+        record({"stage": "lm judge: annealed", "lm_loss": round(best_loss, 4)})
+        candidates = [("restart", seed + 100 + i) for i in range(restarts)] + [("lm", w) for w in lm_weights]
+        for kind, arg in candidates:
+            t_lm = time.perf_counter()
+            if kind == "restart":
+                # another annealing run from the same evidence; the LM decides which mapping reads better
+                cand = anneal_stage(model, left, scores, columns, start_of_anneal, fixed, counts, total,
+                                    anneal_steps * len(counts), anneal_candidates, int(arg))
+                entry: dict = {"stage": f"restart seed {arg}"}
+            else:
+                # the LM reads the requests through the current best mapping: where that context is right, its
+                # next-token distribution pins the id; a low-temperature anneal reconciles it with the bigram
+                lm_scores = np.zeros((len(stream.cipher_ids), len(columns)))
+                read: list[int] = []
+                for a in range(0, len(chosen), lm.batch):
+                    lm_scores += lm.scores(stream, plain_of_row, chosen[a:a + lm.batch], columns, free, bos)
+                    read += chosen[a:a + lm.batch]
+                    if time.perf_counter() - t_lm > lm_seconds:
+                        break
+                cand = anneal_stage(model, left, scores + arg * lm_scores, columns, plain_of_row, fixed, counts,
+                                    total, anneal_steps * len(counts) // 2, anneal_candidates, seed + 1,
+                                    lm_scores=arg * lm_scores, t_start=1.0)
+                entry = {"stage": f"lm-refined w={arg:g}", "lm_tokens": int(lengths[read].sum())}
+            loss = lm.loss(stream, cand, judge, free, bos)
+            entry.update({"lm_loss": round(loss, 4), "lm_seconds": round(time.perf_counter() - t_lm, 1)})
+            if loss < best_loss:
+                best_loss, plain_of_row = loss, cand
+                entry["kept"] = True
+            record(entry)
     return DecipherResult(to_full(plain_of_row), len(fixed), trace, round(time.perf_counter() - t0, 1))
