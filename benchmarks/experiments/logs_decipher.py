@@ -34,21 +34,6 @@ from .logs_only import build_stream, chat_wrapper, observed_prefix, prior_ids, r
 VOLUMES = (100, 300, 1_000, 10_000, 100_000)
 
 
-def public_reference(tokenizer, max_tokens: int) -> list[np.ndarray]:
-    """fortunes + debian-reference, one token sequence per document (bigrams never cross documents)."""
-    from aloepri.corpora import corpus
-
-    out, total = [], 0
-    for name in ("fortunes", "debian-reference"):
-        for doc in corpus(name):
-            ids = np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], np.int64)
-            out.append(ids)
-            total += len(ids)
-            if total >= max_tokens:
-                return out
-    return out
-
-
 def split_requests(ids: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
     starts = np.concatenate([[0], ends[:-1]])
     return [ids[a:b] for a, b in zip(starts, ends)]
@@ -73,7 +58,7 @@ def run(s: Settings, store: ResultStore) -> None:
     import torch
 
     from aloepri.attacks.frequency import tfma_match
-    from aloepri.attacks.stream_decipher import LMScorer, decipher_stream
+    from aloepri.attacks.stream_decipher import LMScorer, decipher_stream, public_reference
     from aloepri.runtime.tokenizer import load_hf_tokenizer
 
     keys = [f"{r}/{v}" for r in s.runs for v in s.volumes]

@@ -34,6 +34,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
 from .behavioural import template_anchors
 
 
@@ -420,7 +421,9 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
     uni = unigram_scores(model, counts, total, columns)
     left, right = adjacency(stream)
     # mean-field annealing: beliefs start from the counts alone and sharpen as the temperature falls
-    beliefs = soft_beliefs(uni, columns, fixed, temperatures[0])
+    beliefs = soft_beliefs(uni, columns, fixed, temperatures[0]) if temperatures else None
+    scores = uni + context_scores(model, left, right, belief_matrix(plain_of_row, None, vocab_size, len(counts)),
+                                  columns)
     for it, temp in enumerate(temperatures):
         scores = uni + context_scores(model, left, right, belief_matrix(None, beliefs, vocab_size, len(counts)),
                                       columns)
@@ -476,3 +479,66 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
                 entry["kept"] = True
             record(entry)
     return DecipherResult(to_full(plain_of_row), len(fixed), trace, round(time.perf_counter() - t0, 1))
+
+
+# --- the registered attacks: the audit's observer of the logs ---------------------------------------------------
+
+def public_reference(tokenizer, max_tokens: int) -> list[np.ndarray]:
+    """The observer's text: fortunes + debian-reference (Debian packages; neither is the client's source), one
+    token sequence per document."""
+    from ..corpora import corpus
+
+    out, total = [], 0
+    for name in ("fortunes", "debian-reference"):
+        for doc in corpus(name):
+            ids = np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], np.int64)
+            out.append(ids)
+            total += len(ids)
+            if total >= max_tokens:
+                return out
+    return out
+
+
+def run_stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
+                        with_lm: bool = False) -> AttackResult:
+    """The client's private prompts as the logs show them (each wrapped in the public chat template, through the
+    key) deciphered with public text and, ``with_lm``, the public model. Volume = the prompts' tokens: the
+    figure is for that much traffic, and grows with more (docs/security.md, "The observer of the logs")."""
+    from .behavioural import chat_template_ids
+
+    tok = target.tokenizer
+    pre, post = chat_template_ids(tok)
+    requests = [target.obfuscate_ids(list(pre) + list(ids) + list(post)) for ids in data.plain_ids]
+    vocab = len(target.true_permutation())
+    ref_tokens = int(max(100_000, 1_000_000 * budget.scale))
+    reference = public_reference(tok, ref_tokens)
+    lm_tokens = int(max(2_000, 20_000 * budget.scale))
+    judge = int(max(1_000, 3_000 * min(1.0, budget.scale * 4)))
+    lm = LMScorer(target.plain_model, batch=4, device=target.device) if with_lm else None
+    res = decipher_stream(requests, vocab, reference, pre, post, lm=lm, lm_tokens=lm_tokens, lm_judge_tokens=judge,
+                          seed=seed)
+    metrics = score_mapping(target, data, res.obf_to_plain, text_metrics=True)
+    observed = int(sum(len(r) for r in requests))
+    metrics.update({"tokens_observed": observed, "requests_observed": len(requests), "anchors": res.anchors,
+                    "trace": res.trace})
+    info = {"budget": budget.name, "reference": "fortunes + debian-reference", "reference_tokens": ref_tokens,
+            "anneal_steps_per_id": 300, "seed": seed, "tokens_observed": observed}
+    if with_lm:
+        info.update({"lm_tokens": lm_tokens, "lm_judge_tokens": judge})
+    uses = (f"the logs: {observed} obfuscated ids in {len(requests)} requests; the public tokenizer and chat template; "
+            "public text (fortunes, debian-reference)" + ("; the public model (no obfuscated weights)" if with_lm
+                                                          else "") + "; no key")
+    name = "stream-decipher-lm" if with_lm else "stream-decipher"
+    return AttackResult(name, metrics["ttrsr"], metrics["piirsr"], metrics, info, uses=uses)
+
+
+@register("stream-decipher")
+def stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """Id-stream decipherment of the logs (template anchors, bigram of public text, annealing); no model."""
+    return run_stream_decipher(target, data, budget, seed, with_lm=False)
+
+
+@register("stream-decipher-lm")
+def stream_decipher_lm(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
+    """Id-stream decipherment of the logs with the public model judging and refining the mapping."""
+    return run_stream_decipher(target, data, budget, seed, with_lm=True)

@@ -2,8 +2,11 @@
 
 Two observers, as a user meets them:
 
-- ``id_stream``: someone who sees the obfuscated token ids (logs, a network tap, another tenant) but holds no
-  model. The frequency attacks (TFMA, SDA) are theirs.
+- ``id_stream``: someone who reads the obfuscated token ids (request logs, a network tap, another tenant) and, the
+  model being open-weight, holds the public model, tokenizer and chat template, but neither the obfuscated weights
+  nor the key. The id-stream decipherers (with and without the public model) and the frequency attacks (TFMA,
+  SDA) are theirs; their figure holds for the volume of traffic the audit shows them (its prompts), and grows
+  with more.
 - ``provider``: the server that hosts the obfuscated model and can download the public plaintext model. It sees
   the id stream too, so every attack counts against it: the weight attacks (VMA, Gate-IA, Attn-IA), the state
   inversions (ISA, IMA), the behavioural attacks (running both models) and the MoE routing leak.
@@ -20,7 +23,7 @@ BUDGETS = ("ci", "small", "full")
 ID_STREAM = "id_stream"
 PROVIDER = "provider"
 OBSERVERS = {
-    ID_STREAM: "an observer of the id stream without the model",
+    ID_STREAM: "an observer of the logs, who holds the public model",
     PROVIDER: "the provider, who holds the public model",
 }
 
@@ -40,6 +43,8 @@ PLAN: tuple[PlannedAttack, ...] = (
     PlannedAttack("behavioural-composed", PROVIDER, BUDGETS),
     PlannedAttack("behavioural", PROVIDER, ("small", "full")),
     PlannedAttack("vma", PROVIDER, BUDGETS),
+    PlannedAttack("stream-decipher", ID_STREAM, BUDGETS, needs_tokenizer=True),
+    PlannedAttack("stream-decipher-lm", ID_STREAM, BUDGETS, needs_tokenizer=True),
     PlannedAttack("gate-ia", PROVIDER, BUDGETS),
     PlannedAttack("tfma", ID_STREAM, BUDGETS, needs_tokenizer=True),
     PlannedAttack("tfma-domain-aware", ID_STREAM, BUDGETS, needs_tokenizer=True),
