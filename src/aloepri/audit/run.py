@@ -248,6 +248,7 @@ def run_planned(planned: plan_mod.PlannedAttack, target, data, budget, seed: int
     vocab = m.get("vocab_recovery_sampled", m.get("vocab_recovery"))
     return {**entry, "status": RAN, "ttrsr": ttrsr, "piirsr": res.piirsr, "tokens_scored": m.get("tokens_scored"),
             "pii_tokens_scored": m.get("pii_tokens_scored"), "vocab_recovery": vocab, "bleu4": m.get("bleu4"),
+            "tokens_observed": m.get("tokens_observed"),  # the traffic an id-stream attack saw (its volume)
             "seconds": round(res.seconds, 1), "uses": res.uses, "attack_budget": res.budget}
 
 

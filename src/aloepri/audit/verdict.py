@@ -68,6 +68,12 @@ def observer_verdict(observer: str, attacks: Sequence[dict[str, Any]]) -> Observ
     level, words = level_for(rec)
     subject = who[0].upper() + who[1:] + ("," if "," in who else "")
     text = f"{subject} {words}: {best['name']} recovered {_pct(rec)} of the private prompt tokens."
+    if observer == ID_STREAM:
+        volume = best.get("tokens_observed")
+        text += (f" That is for the {volume:,} tokens of traffic this audit showed it" if volume else
+                 " That is for the traffic this audit showed it") + (
+            "; a log reader who sees more traffic reads more (measured volume curves: docs/security.md, "
+            "\"The observer of the logs\").")
     if level == "little":
         text += (" That is what these attacks achieved, not a guarantee: a stronger or longer attack may recover "
                  "more.")
