@@ -64,8 +64,10 @@ def run(s: Settings, store: ResultStore) -> None:
     keys = [f"{r}/{v}" for r in s.runs for v in s.volumes]
     keys += [f"tfma/{ref}/{v}" for ref in ("public", "same-distribution") for v in s.volumes]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
-    # small volumes first, so that a stopped run already holds the whole curve's lower half
-    todo = sorted((k for k in keys if not store.has(k)), key=lambda k: int(k.rsplit("/", 1)[1]))
+    # small volumes first, and at each volume the slow public-model entries last, so that a stopped run already
+    # holds the lower half of every curve
+    todo = sorted((k for k in keys if not store.has(k)),
+                  key=lambda k: (int(k.rsplit("/", 1)[1]), "public-model" in k))
     if not todo:
         return
     torch.set_num_threads(s.threads)
@@ -172,11 +174,37 @@ def plot(entries: dict, path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def rekey_volumes(entries: dict, threshold: float = 0.05) -> dict[str, int | None]:
+    """Per attack series: the largest measured volume V such that PII recovery stayed below ``threshold`` at every
+    measured volume up to V (a client re-keying every V tokens shows each key's observer at most V tokens).
+    None: already above it at the smallest volume measured with PII in it."""
+    series: dict[str, list[tuple[int, float | None]]] = {}
+    for key, e in entries.items():
+        if key.startswith("control/"):
+            continue
+        series.setdefault(key.rsplit("/", 1)[0], []).append((e["tokens_observed"], e["pii_recovery"]))
+    out: dict[str, int | None] = {}
+    for name, pts in sorted(series.items()):
+        best = None
+        for vol, pii in sorted(pts):
+            if pii is None:
+                continue
+            if pii >= threshold:
+                break
+            best = vol
+        out[name] = best
+    return out
+
+
 def report(store: ResultStore) -> str:
     entries = store.entries()
     figure = store.figure_path(".png")
     plot(entries, figure)
-    return render(entries) + f"\n\nFigure: results/{store.experiment}/{figure.name}"
+    rekey = "\n".join(f"- {name}: {'none measured' if v is None else f'{v:,} tokens'}"
+                      for name, v in rekey_volumes(entries).items())
+    return (render(entries) + f"\n\nFigure: results/{store.experiment}/{figure.name}\n\n"
+            "Largest volume measured with PII recovery below 5% at it and every smaller volume (re-keying every "
+            f"that many tokens keeps each key's observer there):\n{rekey}")
 
 
 SUMMARY = "the observer of the logs with the public model: decipherment of the id stream vs. volume (minutes to hours)"
@@ -185,6 +213,9 @@ CONFIGS = {
     "qwen-coder": Settings(model="qwen-coder", volumes=(100, 1_000, 10_000, 100_000),
                            runs=("public/no-model", "public/public-model"), controls_at=(10_000,),
                            lm_tokens=5_000, lm_judge_tokens=2_000),
+    # replications (another key, traffic order and annealing seed) for the spread of the model-free figures
+    **{f"smollm2-seed{k}": Settings(volumes=(1_000, 10_000), runs=("public/no-model", "same-distribution/no-model"),
+                                    controls_at=(), seed=k) for k in (1, 2)},
     "smoke": Settings(volumes=(300,), runs=("public/no-model",), controls_at=(300,), reference_tokens=50_000),
 }
 DOCS = ("docs/security.md",)
