@@ -23,6 +23,9 @@ class CharTokenizer:
         self.chars = [chr(32 + i) for i in range(vocab_size - SPECIALS)]
         self.index = {c: i + SPECIALS for i, c in enumerate(self.chars)}
 
+    def __len__(self) -> int:
+        return len(self.chars) + SPECIALS
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.index.get(c, self.index["?"]) for c in text]
         return ([self.bos_token_id] if add_special_tokens else []) + ids
