@@ -117,24 +117,20 @@ def _include_usage(body: dict) -> bool:
     return bool(so.get("include_usage"))
 
 
-def _stream_flag(body: dict) -> bool:
-    s = body.get("stream", False)
-    if s is None:
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field, false when absent or null."""
+    flag = body.get(name, False)
+    if flag is None:
         return False
-    if not isinstance(s, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
-    return s
+    if not isinstance(flag, bool):
+        raise BadRequest(f"'{name}' must be a boolean", name)
+    return flag
 
 
 def _special_tokens_flag(body: dict) -> bool:
     """``parse_special_tokens: true`` (an aloepri extension): the caller's text may hold the template's control
     tokens (``<|im_end|>``...) and they are tokenized as such. Off by default, as in OpenAI's API: text is text."""
-    flag = body.get("parse_special_tokens", False)
-    if flag is None:
-        return False
-    if not isinstance(flag, bool):
-        raise BadRequest("'parse_special_tokens' must be a boolean", "parse_special_tokens")
-    return flag
+    return _flag(body, "parse_special_tokens")
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -452,7 +448,7 @@ class Proxy:
         if model is not None and not self._serves(model):
             raise self._unknown_model(model)
         _reject_unsupported(body, kind)
-        stream, include_usage = _stream_flag(body), _include_usage(body)
+        stream, include_usage = _flag(body, "stream"), _include_usage(body)
         ask, logged = parse(body)
         ask.stream, ask.include_usage = stream, include_usage
         return ask, logged

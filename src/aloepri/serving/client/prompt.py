@@ -154,10 +154,19 @@ def _plain_text_tokenizer(tokenizer: Any):
     """``text -> ids`` that never matches a special token: a private copy of the fast tokenizer's backend with
     ``encode_special_tokens`` set (the shared tokenizer's flag is never touched, since other threads encode with
     it). Sentencepiece tokenizers add a prefix space at the start of a string: encode after a newline and drop it,
-    as transformers does for its own sanitized chats."""
+    as transformers does for its own sanitized chats. A tokenizer without a backend (a slow one) encodes the first
+    character apart from the rest, so no control token can match whole."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        def split(text: str) -> list[int]:
+            return [int(i) for part in (text[:1], text[1:]) if part
+                    for i in tokenizer.encode(part, add_special_tokens=False)]
+
+        return split
+
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend = Tokenizer.from_str(backend.to_str())
     backend.encode_special_tokens = True
 
     def encode(text: str) -> list[int]:
