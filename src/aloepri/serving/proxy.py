@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from .client import AsyncClient, AsyncReplyStream, Completion, GenerationParams, TokenLogprob, UpstreamError
-from .client.prompt import text_length
 from .http import (DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_NAMES, SSE_DONE, BadRequest, browser_guard,
                    client_disconnected, error_body, error_response, event_stream, number, openai_app, parse_json_body,
                    read_body, sse)
@@ -401,7 +400,9 @@ class Proxy:
             raise BadRequest("this proxy has no tokenizer (and chat template) for the model: use /v1/completions "
                              "with token ids, or start the proxy with --tokenizer")
         tools = _tools(body, self.client.tokenizer)
-        self._check_prompt_chars(text_length((messages, tools)), "messages")
+        # the messages' text alone: a template renders all of it (other fields it may drop), so this never
+        # refuses a prompt that fits
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             plain = self.client.core.chat_prompt_ids(messages, tools=tools, special_tokens=_special_tokens_flag(body))
         except BadRequest:

@@ -123,12 +123,6 @@ def strings_in(obj: Any):
             todo.extend(v)
 
 
-def text_length(obj: Any) -> int:
-    """Characters in all the strings of a JSON-like value: a prompt rendered from it has at least as many tokens as
-    this over :attr:`PromptEncoder.max_chars_per_token` (dict keys count too, as templates often write them)."""
-    return sum(len(s) for s in strings_in(obj))
-
-
 def control_tokens(tokenizer: Any) -> tuple[str, ...]:
     """The tokenizer's special added tokens, and the added tokens its chat template writes (not whitespace ones)."""
     added = getattr(tokenizer, "added_tokens_decoder", None)
