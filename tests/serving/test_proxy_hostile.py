@@ -259,3 +259,46 @@ def test_an_upstream_that_never_comes_up_is_one_line(key, tmp_path, capsys):
     assert main(["proxy", "--key", str(path), "--upstream", "http://127.0.0.1:9", "--upstream-wait", "0.5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("aloepri proxy: error: the upstream http://127.0.0.1:9 did not answer"), err
+
+
+def test_the_readme_start_order_with_real_processes(obfuscated, tmp_path):
+    """The README's two commands started together, the proxy first (the losing order before): it waits for
+    serve-local, checks the key, and serves the upstream's name and `aloepri`."""
+    import subprocess
+    import sys
+
+    from aloepri.testing.engines import free_port
+
+    out, _ = obfuscated("llama")
+    key_path = out.parent / "key.json"
+    up_port, px_port = free_port(), free_port()
+    cli = [sys.executable, "-m", "aloepri.cli"]
+    logs = [open(tmp_path / name, "w") for name in ("proxy.log", "serve-local.log")]
+    procs = [subprocess.Popen(cli + ["proxy", "--key", str(key_path), "--upstream", f"http://127.0.0.1:{up_port}",
+                                     "--port", str(px_port), "--log-level", "warning"],
+                              stdout=logs[0], stderr=subprocess.STDOUT)]
+    try:
+        time.sleep(1.0)
+        procs.append(subprocess.Popen(cli + ["serve-local", str(out), "--port", str(up_port), "--log-level",
+                                             "warning"], stdout=logs[1], stderr=subprocess.STDOUT))
+        url, deadline = f"http://127.0.0.1:{px_port}", time.monotonic() + 180
+        while True:
+            assert procs[0].poll() is None, (tmp_path / "proxy.log").read_text()
+            try:
+                health = httpx2.get(url + "/health", timeout=5).json()
+                break
+            except httpx2.TransportError:
+                assert time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+                time.sleep(0.5)
+        assert health["key_check"] == "verified-upstream"
+        assert [m["id"] for m in httpx2.get(url + "/v1/models").json()["data"]] == [out.name]
+        for name in (out.name, "aloepri", None):
+            body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, **({"model": name} if name else {})}
+            assert httpx2.post(url + "/v1/completions", json=body, timeout=60).status_code == 200, name
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+        for f in logs:
+            f.close()
