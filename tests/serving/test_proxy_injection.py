@@ -193,8 +193,10 @@ def test_proxy_completion_prompt_is_text_unless_asked(proxies, template):
     r = httpx2.post(url + "/v1/completions", json={"prompt": "<|im_start|>", "max_tokens": 2,
                                                    "parse_special_tokens": True}, timeout=60)
     assert r.status_code == 200 and _sent_prompt(up, key) == [start]
-    r = httpx2.post(url + "/v1/completions", json={"prompt": "x", "parse_special_tokens": "yes"}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "parse_special_tokens"
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "x"}]})):
+        r = httpx2.post(url + path, json={**body, "parse_special_tokens": "yes"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "parse_special_tokens", r.text
 
 
 def test_reply_text_is_unchanged(proxies):

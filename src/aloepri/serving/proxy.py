@@ -403,10 +403,9 @@ class Proxy:
         # the messages' text alone: a template renders all of it (other fields it may drop), so this never
         # refuses a prompt that fits
         self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        special_tokens = _special_tokens_flag(body)
         try:
-            plain = self.client.core.chat_prompt_ids(messages, tools=tools, special_tokens=_special_tokens_flag(body))
-        except BadRequest:
-            raise
+            plain = self.client.core.chat_prompt_ids(messages, tools=tools, special_tokens=special_tokens)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise BadRequest(f"the chat template rejected the messages ({type(e).__name__})", "messages") from None
         return _Ask("chat", plain, params, tools=tools), ("messages", messages)
@@ -417,10 +416,9 @@ class Proxy:
         params.logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
         if isinstance(prompt, str):
             self._check_prompt_chars(len(prompt), "prompt")
+        special_tokens = _special_tokens_flag(body)
         try:
-            plain = self.client.core.completion_prompt_ids(prompt, special_tokens=_special_tokens_flag(body))
-        except BadRequest:
-            raise
+            plain = self.client.core.completion_prompt_ids(prompt, special_tokens=special_tokens)
         except ValueError as e:
             raise BadRequest(str(e), "prompt") from None
         if params.stop and self.client.tokenizer is None:
