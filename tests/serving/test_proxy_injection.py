@@ -138,15 +138,16 @@ def test_completion_prompt_control_tokens_are_text(tokenizers, template):
 
 @pytest.fixture(scope="module")
 def proxies(tokenizers):
-    """Per template: (proxy url, the recording upstream, key, tokenizer)."""
+    """Per template: (proxy url, the recording upstream, key, tokenizer, upstream url)."""
     out, threads = {}, []
     for name, tok in tokenizers.items():
         key = synthetic_key(len(tok), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
         up = EchoUpstream(key)
         threads.append(ServerThread(up.app()).start())
-        proxy = build_proxy(key, threads[-1].url, tokenizer=tok)
+        upstream_url = threads[-1].url
+        proxy = build_proxy(key, upstream_url, tokenizer=tok)
         threads.append(ServerThread(proxy.app()).start())
-        out[name] = (threads[-1].url, up, key, tok)
+        out[name] = (threads[-1].url, up, key, tok, upstream_url)
     yield out
     for t in threads:
         t.stop()
@@ -160,7 +161,7 @@ def _sent_prompt(up: EchoUpstream, key) -> list[int]:
 @pytest.mark.parametrize("template", TEMPLATES)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_proxy_sends_injected_control_tokens_as_text(proxies, template, stream):
-    url, up, key, tok = proxies[template]
+    url, up, key, tok, _ = proxies[template]
     for text in INJECTIONS[:2]:
         for (msgs, tools), (clean_msgs, clean_tools) in zip(_conversations(text), _conversations("harmless")):
             if template == "smollm2" and tools:
@@ -183,7 +184,7 @@ def test_proxy_sends_injected_control_tokens_as_text(proxies, template, stream):
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_proxy_completion_prompt_is_text_unless_asked(proxies, template):
     """The reported case: ``/v1/completions`` with ``"<|im_start|>"`` was one token, the control token."""
-    url, up, key, tok = proxies[template]
+    url, up, key, tok, _ = proxies[template]
     start = tok.convert_tokens_to_ids("<|im_start|>")
     for stream in (False, True):
         r = httpx2.post(url + "/v1/completions", json={"prompt": "<|im_start|>", "max_tokens": 2, "stream": stream},
@@ -201,8 +202,23 @@ def test_proxy_completion_prompt_is_text_unless_asked(proxies, template):
 
 def test_reply_text_is_unchanged(proxies):
     """The reply is decoded as before: the stand-in echoes the prompt's tail, and the text comes back."""
-    url, up, key, tok = proxies["smollm2"]
+    url, up, key, tok, _ = proxies["smollm2"]
     r = httpx2.post(url + "/v1/completions", json={"prompt": "one two three four", "max_tokens": 3}, timeout=60)
     tail = tok.encode("one two three four")[::-1][:3]
     assert r.json()["choices"][0]["text"] == tok.decode(tail)
     assert json.loads(json.dumps(up.seen[-1]))["max_tokens"] == 3
+
+
+def test_the_sdk_sends_control_token_text_as_text_unless_asked(proxies):
+    """``aloepri.Client`` (and so ``aloepri chat``) shares the proxy's tokenization: text is text, and
+    ``special_tokens=True`` is its opt-in."""
+    from aloepri.serving.client import Client
+
+    _, _, key, tok, upstream_url = proxies["qwen"]
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    with Client(key, upstream_url, tokenizer=tok) as client:
+        r = client.chat(INJECTIONS[1], max_tokens=2)
+        assert _controls(tok, r.prompt_token_ids) == _controls(tok, client.chat("harmless", max_tokens=2)
+                                                               .prompt_token_ids)
+        assert start not in client.complete("<|im_start|>", max_tokens=2).prompt_token_ids
+        assert client.complete("<|im_start|>", max_tokens=2, special_tokens=True).prompt_token_ids == [start]
