@@ -23,6 +23,9 @@ class CharTokenizer:
         self.chars = [chr(32 + i) for i in range(vocab_size - SPECIALS)]
         self.index = {c: i + SPECIALS for i, c in enumerate(self.chars)}
 
+    def __len__(self) -> int:
+        return len(self.chars) + SPECIALS
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.index.get(c, self.index["?"]) for c in text]
         return ([self.bos_token_id] if add_special_tokens else []) + ids
@@ -184,3 +187,89 @@ def neutral_completion(url: str, prompt_ids: list[int], max_tokens: int, stream:
                 text += c.get("text") or ""
                 finish = c.get("finish_reason") or finish
         return neutral_text_to_ids(text), finish
+
+
+class EchoUpstream:
+    """A stand-in engine (OpenAI completions with token-id prompts, as vLLM and serve-local speak it) whose reply is
+    a function of the prompt: the prompt's last ``reply_len`` ids, newest first (no model, so no compute). It lists
+    and stamps the key's fingerprint, answers ``n`` choices, streams (``delay`` seconds between tokens), gives
+    vLLM-shaped logprobs labelled by id, and keeps every request body in ``seen``."""
+
+    def __init__(self, key, reply_len: int = 6, delay: float = 0.0, vocab_size: int | None = None):
+        self.key, self.reply_len, self.delay = key, reply_len, delay
+        self.vocab_size = vocab_size if vocab_size is not None else key.vocab_size
+        self.seen: list[dict] = []
+
+    def reply(self, body: dict) -> list[int]:
+        stops = set(body.get("stop_token_ids") or [])
+        out = []
+        for i in reversed(body["prompt"][-self.reply_len:]):
+            if i in stops:
+                break
+            out.append(i)
+        return out[:int(body.get("max_tokens") or 16)]
+
+    @staticmethod
+    def _logprobs(ids: list[int]) -> dict:
+        return {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.25] * len(ids),
+                "top_logprobs": [{f"token_id:{i}": -0.25} for i in ids], "text_offset": [0] * len(ids)}
+
+    def app(self):
+        import asyncio
+        import json
+
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        from aloepri.serving.client import FINGERPRINT_HEADER
+
+        stamp = {FINGERPRINT_HEADER: self.key.model_fingerprint}
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [
+                {"id": "echo", "object": "model", "max_model_len": 4096,
+                 "aloepri": {"model_fingerprint": self.key.model_fingerprint, "vocab_size": self.vocab_size}}]},
+                headers=stamp)
+
+        async def completions(request):
+            body = await request.json()
+            self.seen.append(body)
+            ids, n, lps = self.reply(body), int(body.get("n") or 1), body.get("logprobs") is not None
+            finish = "length" if len(ids) == int(body.get("max_tokens") or 16) else "stop"
+
+            def choice(i, tokens, fin):
+                return {"index": i, "text": "", "token_ids": tokens, "finish_reason": fin,
+                        "logprobs": self._logprobs(tokens) if lps and tokens else None}
+
+            if not body.get("stream"):
+                return JSONResponse({"choices": [choice(i, ids, finish) for i in range(n)],
+                                     "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n * len(ids)}},
+                                    headers=stamp)
+
+            async def events():
+                for t in ids:
+                    if self.delay:
+                        await asyncio.sleep(self.delay)
+                    for i in range(n):
+                        yield "data: " + json.dumps({"choices": [choice(i, [t], None)]}) + "\n\n"
+                for i in range(n):
+                    yield "data: " + json.dumps({"choices": [choice(i, [], finish)]}) + "\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers=stamp)
+
+        return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+
+
+def synthetic_key(vocab_size: int, eos_token_id: int = 2, seed: int = 0):
+    """A key for a model that does not exist: a random permutation of ``vocab_size`` ids (for tests against
+    :class:`EchoUpstream`, where only the permutation matters)."""
+    import random
+
+    from aloepri.keyfile import KeyFile
+
+    perm = list(range(vocab_size))
+    random.Random(seed).shuffle(perm)
+    return KeyFile(vocab_permutation=perm, model_fingerprint=f"{seed:064x}", params={}, seed=seed, h_effective=0,
+                   hidden_size=8, source="", architecture="llama", special_tokens={"eos_token_id": eos_token_id})

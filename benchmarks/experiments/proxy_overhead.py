@@ -9,6 +9,9 @@ A. zero-cost upstream (benchmarks/lib/fake_upstream.py): streams a fixed reply (
 B. real model: `aloepri serve-local` on SmolLM2-135M obfuscated with the exact preset (torch threads 1). The
    direct client sends the same permuted prompt ids the proxy sends, so both get the same reply; TPOT and TTFT
    are compared and the proxy's per-token cost is put against the TPOT.
+C. latency percentiles (config ``latency``): many whole (not streamed) chat requests through the proxy against the
+   zero-cost upstream, each next to the same request sent direct, one client and several at once: p50 and p99
+   of both, and of the latency the proxy adds (proxy minus direct, paired per round).
 """
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ class Settings:
     model_tokens: int = 64  # reply length of part B
     skip_model: bool = False  # part A only
     seed: int = 2026
+    latency_only: bool = False  # part C only
+    latency_requests: int = 300  # per client count, for each of direct and proxy
+    latency_tokens: int = 16
+    latency_clients: tuple[int, ...] = (1, 8)
 
 
 def _stream_times(http, url: str, body: dict) -> tuple[float, list[float]]:
@@ -95,11 +102,13 @@ def _synthetic_key(tok_path, work):
     return key, work / "synthetic.key"
 
 
-def _part_a(smol, work, s: Settings) -> dict:
+def _zero_cost_stack(smol, work, reply_tokens: int):
+    """The synthetic key, the SmolLM2 tokenizer, the fake upstream streaming ``reply_tokens`` real SmolLM2 ids
+    (permuted), and a proxy in front of it (both servers still to be entered), and a chat prompt with its
+    permuted ids (what the direct client sends)."""
     import json
     import sys
 
-    import httpx2
     from transformers import AutoTokenizer
 
     from aloepri.testing.engines import CommandServer
@@ -110,15 +119,22 @@ def _part_a(smol, work, s: Settings) -> dict:
     tok = AutoTokenizer.from_pretrained(str(smol.parent), gguf_file=smol.name)
     text = ("The ocean covers most of the planet and holds a great variety of life, from tiny plankton to whales. "
             "Its currents move heat around the globe and shape the weather on every continent. ") * 40
-    reply = key.encode_ids(tok.encode(text)[: max(s.tokens)])
+    reply = key.encode_ids(tok.encode(text)[:reply_tokens])
     (work / "reply.json").write_text(json.dumps(reply))
     upstream = CommandServer(lambda port: [sys.executable, "-m", "benchmarks.lib.fake_upstream", str(port),
                                            str(work / "reply.json")], work / "upstream.log", name="fake upstream",
                              cwd=REPO)
+    messages = [{"role": "user", "content": "Tell me about the ocean."}]
+    prompt_server = key.encode_ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                                   ["input_ids"])
+    return key_path, upstream, messages, prompt_server
+
+
+def _part_a(smol, work, s: Settings) -> dict:
+    import httpx2
+
+    key_path, upstream, messages, prompt_server = _zero_cost_stack(smol, work, max(s.tokens))
     with upstream as up_url, _proxy(key_path, up_url, work / "proxy-a.log", ("--no-verify",)) as px_url:
-        messages = [{"role": "user", "content": "Tell me about the ocean."}]
-        prompt_server = key.encode_ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                                       ["input_ids"])
         res = {}
         with httpx2.Client(timeout=60) as http:
             for n in s.tokens:
@@ -171,6 +187,50 @@ def _part_b(smol, work, s: Settings) -> dict:
             / r["direct"]["tpot_median_gap"]}
 
 
+def _percentiles(xs: list[float]) -> dict:
+    import numpy as np
+
+    return {"p50_ms": 1e3 * float(np.percentile(xs, 50)), "p99_ms": 1e3 * float(np.percentile(xs, 99)),
+            "n": len(xs)}
+
+
+def _part_c(smol, work, s: Settings) -> dict:
+    """Whole chat requests, direct and through the proxy, alternating, from ``clients`` concurrent clients."""
+    import asyncio
+    import time
+
+    import httpx2
+
+    key_path, upstream, messages, prompt_server = _zero_cost_stack(smol, work, s.latency_tokens)
+    direct_body = {"prompt": prompt_server, "max_tokens": s.latency_tokens, "return_token_ids": True}
+    proxy_body = {"messages": messages, "max_tokens": s.latency_tokens}
+
+    async def client(http, up_url, px_url, rounds, direct, proxied, added):
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            (await http.post(up_url + "/v1/completions", json=direct_body)).raise_for_status()
+            t1 = time.perf_counter()
+            (await http.post(px_url + "/v1/chat/completions", json=proxy_body)).raise_for_status()
+            t2 = time.perf_counter()
+            direct.append(t1 - t0)
+            proxied.append(t2 - t1)
+            added.append((t2 - t1) - (t1 - t0))
+
+    async def measure(up_url, px_url, clients):
+        direct, proxied, added = [], [], []
+        async with httpx2.AsyncClient(timeout=60, limits=httpx2.Limits(max_connections=2 * clients)) as http:
+            await client(http, up_url, px_url, 5, [], [], [])  # warm-up
+            rounds = max(1, s.latency_requests // clients)
+            await asyncio.gather(*(client(http, up_url, px_url, rounds, direct, proxied, added)
+                                   for _ in range(clients)))
+        return {"direct": _percentiles(direct), "proxy": _percentiles(proxied), "added": _percentiles(added)}
+
+    with upstream as up_url, _proxy(key_path, up_url, work / "proxy-c.log", ("--no-verify",)) as px_url:
+        by_clients = {str(c): asyncio.run(measure(up_url, px_url, c)) for c in s.latency_clients}
+    return {"upstream": "fake engine answering precomputed ids (zero compute)", "reply_tokens": s.latency_tokens,
+            "request": "whole chat completion (not streamed)", "by_clients": by_clients}
+
+
 def run(s: Settings, store: ResultStore) -> None:
     import os
     import tempfile
@@ -178,6 +238,12 @@ def run(s: Settings, store: ResultStore) -> None:
 
     smol = model_path("smollm2")
     with tempfile.TemporaryDirectory(prefix="aloepri-proxy-overhead-") as tmp:
+        if s.latency_only:
+            if not store.has("latency_percentiles"):
+                load0 = os.getloadavg()
+                store.put("latency_percentiles", {**_part_c(smol, Path(tmp), s),
+                                                  "load_average": [load0, os.getloadavg()]})
+            return
         if not store.has("zero_cost_upstream"):
             load0 = os.getloadavg()
             store.put("zero_cost_upstream", {**_part_a(smol, Path(tmp), s), "load_average": [load0, os.getloadavg()]})
@@ -203,9 +269,18 @@ def report(store: ResultStore) -> str:
                    f"proxy {1e3 * b['proxy']['tpot']:.1f} ms ({b['tpot_overhead_pct']:+.2f}%, median gap "
                    f"{b['tpot_median_gap_overhead_pct']:+.2f}%); TTFT +{b['ttft_overhead_ms']:.1f} ms; the proxy's "
                    f"per-token cost from part A is {b['proxy_per_token_cost_pct_of_tpot']:.2f}% of TPOT")
+    c = e.get("latency_percentiles")
+    if c:
+        for clients, r in c["by_clients"].items():
+            out.append(f"{clients} client(s), whole chat requests of {c['reply_tokens']} tokens: direct p50/p99 "
+                       f"{r['direct']['p50_ms']:.2f}/{r['direct']['p99_ms']:.2f} ms, through the proxy "
+                       f"{r['proxy']['p50_ms']:.2f}/{r['proxy']['p99_ms']:.2f} ms; added (paired) p50 "
+                       f"{r['added']['p50_ms']:.2f} ms, p99 {r['added']['p99_ms']:.2f} ms")
     return "\n".join(out) or "(nothing stored)"
 
 
 SUMMARY = "what the aloepri proxy adds per request and per token, direct vs proxied (a few minutes)"
-CONFIGS = {"default": Settings(), "smoke": Settings(reps=2, tokens=(8, 32), skip_model=True)}
+CONFIGS = {"default": Settings(), "smoke": Settings(reps=2, tokens=(8, 32), skip_model=True),
+           "latency": Settings(latency_only=True),
+           "latency-smoke": Settings(latency_only=True, latency_requests=20, latency_clients=(1, 2))}
 DOCS = ("docs/serving.md",)

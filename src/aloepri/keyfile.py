@@ -188,6 +188,9 @@ def write_key(key: KeyFile, path: str | Path, overwrite: bool = False) -> None:
 
 def load_key(path: str | Path) -> KeyFile:
     path = Path(path)
+    if path.is_dir():
+        raise KeyFileError(f"the key path {path} is a directory, not a key file; give the file written by "
+                           "`aloepri obfuscate --key-out`")
     if not path.is_file():
         raise FileNotFoundError(f"key file {path} not found")
     try:
@@ -196,6 +199,16 @@ def load_key(path: str | Path) -> KeyFile:
         raise KeyFileError(f"{path}: not a key file (binary content, not JSON text); give the key written by "
                            "`aloepri obfuscate --key-out`") from None
     return KeyFile.from_json(text, origin=str(path))
+
+
+def key_file_exposure(path: str | Path) -> str | None:
+    """What is wrong with the key file's mode, as ssh checks its private keys: None when only its owner may access
+    it, else one line saying so and how to fix it."""
+    mode = Path(path).stat().st_mode & 0o777
+    if not mode & 0o077:
+        return None
+    return (f"the key file {path} can be accessed by other users (mode {mode:04o}): anyone who reads it reads what "
+            f"the model says; run: chmod 600 {path}")
 
 
 def read_model_meta(model_dir: str | Path) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from aloepri.testing.engines import free_port
 from serving_helpers import CharTokenizer, Recorder, greedy
 
 PROMPT = [5, 17, 33, 40, 8, 61]
+JSON = {"content-type": "application/json"}  # raw bodies say what they are (415 otherwise)
 CONTEXT = 128  # aloepri.testing.tiny.TINY_COMMON max_position_embeddings
 
 
@@ -254,7 +255,7 @@ def test_max_tokens_capped_at_the_context_and_bad_values_rejected(models):
         with ServerThread(proxy.app()) as url:
             for raw in (b"1e9", b"1000000000", b"9223372036854775807"):
                 body = b'{"prompt": %s, "max_tokens": %s, "temperature": 0}' % (json.dumps(PROMPT).encode(), raw)
-                r = httpx2.post(url + "/v1/completions", content=body, timeout=30)
+                r = httpx2.post(url + "/v1/completions", content=body, headers=JSON, timeout=30)
                 assert r.status_code == 200, r.text
                 assert up.completion_requests()[-1]["max_tokens"] == CONTEXT - len(PROMPT)
             r = _chat(url, max_tokens=10**9)
@@ -264,7 +265,7 @@ def test_max_tokens_capped_at_the_context_and_bad_values_rejected(models):
                 assert err["param"] == "max_tokens", (bad, err)
             for raw in (b"1e400", b"-1e400", b"NaN", b"Infinity", b"100000000000000000000"):  # last: > int64
                 body = b'{"prompt": [5], "max_tokens": %s}' % raw
-                _is_openai_error(httpx2.post(url + "/v1/completions", content=body), 400)
+                _is_openai_error(httpx2.post(url + "/v1/completions", content=body, headers=JSON), 400)
             err = _is_openai_error(_complete(url, prompt=[5] * CONTEXT), 400)
             assert "context" in err["message"] and err["param"] == "prompt"
 
@@ -338,7 +339,7 @@ def test_surrogates_are_400_on_both_endpoints(fuzz_stack):
     for path, body in [("/v1/completions", {"prompt": "a\ud800b"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]})]:
         raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as \\ud800, valid JSON
-        err = _is_openai_error(httpx2.post(fuzz_stack["proxy"] + path, content=raw), 400)
+        err = _is_openai_error(httpx2.post(fuzz_stack["proxy"] + path, content=raw, headers=JSON), 400)
         assert "surrogate" in err["message"]
 
 
@@ -395,7 +396,7 @@ def test_serve_local_malformed_bodies_are_400(fuzz_stack):
                       ("/completion", b'{"prompt": [5], "logit_bias": [5]}'),
                       ("/completion", b'{"prompt": [5], "n_predict": 1.5}'),
                       ("/v1/completions", b"[" * 100_000), ("/v1/completions", b'{"prompt": "\\ud800"}')]:
-        r = httpx2.post(url + path, content=raw, timeout=30)
+        r = httpx2.post(url + path, content=raw, headers=JSON, timeout=30)
         _is_openai_error(r, 400)
 
 

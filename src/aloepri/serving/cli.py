@@ -11,8 +11,10 @@ import sys
 from typing import Any, TextIO
 
 from .client import BACKENDS
+from .http import DEFAULT_MAX_REQUEST_BYTES
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_WILDCARD = ("0.0.0.0", "::", "")
 
 
 def _add_client_args(p: argparse.ArgumentParser, server_flag: str) -> None:
@@ -34,6 +36,8 @@ def _add_client_args(p: argparse.ArgumentParser, server_flag: str) -> None:
                         "reply; see docs/serving.md)")
     p.add_argument("--model-meta", default=None,
                    help="local copy of the server directory's aloepri_model.json to check the key against")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a key file that other users can access (default: warn, as ssh does)")
 
 
 def add_serving_commands(sub: Any) -> None:
@@ -46,6 +50,8 @@ def add_serving_commands(sub: Any) -> None:
     p.add_argument("--model-name", default=None, help="name listed in /v1/models (default: the directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve_local)
 
@@ -67,6 +73,17 @@ def add_serving_commands(sub: Any) -> None:
                    help="largest max_tokens forwarded to the upstream; larger requests are capped (always also "
                         "capped at the model's context less the prompt, when the upstream or the key's source "
                         "checkpoint tells the context)")
+    p.add_argument("--upstream-wait", type=float, default=60.0,
+                   help="seconds to wait at start for an upstream that is not up yet (started together with the "
+                        "proxy) before refusing to start (default 60; 0: start without it)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a Host name clients may address besides localhost, 127.0.0.1 and ::1 (repeatable; '*': "
+                        "any). Anything else is refused: a web page could reach the proxy by DNS rebinding")
+    p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. http://localhost:3000) whose pages may call the proxy from a browser "
+                        "(repeatable; '*': any). Requests with any other Origin header are refused")
     p.add_argument("--log-plaintext", action="store_true",
                    help="log prompts and replies in plaintext (off by default: the log has counts and timings only)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -98,10 +115,26 @@ def _check_common(a: argparse.Namespace) -> None:
         raise ValueError(f"--port {a.port}: give a port number in 0..65535")
     if getattr(a, "timeout", None) is not None and not (math.isfinite(a.timeout) and a.timeout > 0):
         raise ValueError(f"--timeout {a.timeout}: give a positive number of seconds")
-    for flag in ("max_tokens", "max_tokens_limit", "threads"):
+    if getattr(a, "upstream_wait", None) is not None and not (math.isfinite(a.upstream_wait) and a.upstream_wait >= 0):
+        raise ValueError(f"--upstream-wait {a.upstream_wait}: give a number of seconds, 0 or more")
+    for flag in ("max_tokens", "max_tokens_limit", "threads", "max_request_bytes"):
         v = getattr(a, flag, None)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {v}: give a positive integer")
+
+
+def _check_key_file(a: argparse.Namespace) -> None:
+    """Warn about a key file other users can access (refuse it with --strict); a missing or directory path is left
+    to the key loader, which says so."""
+    from ..keyfile import key_file_exposure
+
+    if not os.path.isfile(a.key):
+        return
+    problem = key_file_exposure(a.key)
+    if problem and a.strict:
+        raise ValueError(f"{problem} (refused: --strict)")
+    if problem:
+        print(f"warning: {problem}", file=sys.stderr)
 
 
 def cmd_serve_local(a: argparse.Namespace) -> int:
@@ -109,29 +142,43 @@ def cmd_serve_local(a: argparse.Namespace) -> int:
 
     _check_common(a)
     serve_local(a.model_dir, host=a.host, port=a.port, model_name=a.model_name, threads=a.threads,
-                log_level=a.log_level, dtype=a.dtype)
+                log_level=a.log_level, dtype=a.dtype, max_request_bytes=a.max_request_bytes)
     return 0
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from .proxy import build_proxy
+    from .client import UpstreamError
+    from .proxy import STABLE_MODEL_NAME, build_proxy
 
     _check_common(a)
+    _check_key_file(a)
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     if a.api_key is not None and not a.api_key.strip():
         raise ValueError("--api-key (or $ALOEPRI_PROXY_API_KEY) is empty: give a key, or unset it for no check")
+    allowed_hosts = list(a.allowed_host)
     if a.host not in _LOOPBACK:
         who = "anyone with the --api-key" if a.api_key else "anyone who reaches this port"
         print(f"warning: listening on {a.host}: {who} can use your key to read what the model says; keep the proxy "
               "on loopback unless that is intended", file=sys.stderr)
-    proxy = build_proxy(a.key, a.server, model=a.model, served_model_name=a.served_model_name, backend=a.backend,
-                        tokenizer=a.tokenizer, server_tokenizer=a.server_tokenizer, api_key=a.upstream_api_key,
-                        timeout=a.timeout, log_plaintext=a.log_plaintext, chat_max_tokens=a.max_tokens,
-                        verify=not a.no_verify, model_meta=a.model_meta, max_tokens_limit=a.max_tokens_limit,
-                        client_api_key=a.api_key)
-    print(f"aloepri proxy: http://{a.host}:{a.port}/v1 -> {a.server} ({a.backend}), model '{proxy.model_name}', "
+        if a.host in _WILDCARD and not allowed_hosts:
+            print("warning: only requests addressed to localhost are answered; give --allowed-host NAME for each "
+                  "name clients use to reach this machine", file=sys.stderr)
+        elif a.host not in _WILDCARD:
+            allowed_hosts.append(a.host)
+    try:
+        proxy = build_proxy(a.key, a.server, model=a.model, served_model_name=a.served_model_name,
+                            backend=a.backend, tokenizer=a.tokenizer, server_tokenizer=a.server_tokenizer,
+                            api_key=a.upstream_api_key, timeout=a.timeout, log_plaintext=a.log_plaintext,
+                            chat_max_tokens=a.max_tokens, verify=not a.no_verify, model_meta=a.model_meta,
+                            max_tokens_limit=a.max_tokens_limit, client_api_key=a.api_key,
+                            upstream_wait=a.upstream_wait, max_request_bytes=a.max_request_bytes,
+                            allowed_hosts=allowed_hosts, allowed_origins=a.allowed_origin)
+    except UpstreamError as e:  # the upstream never came up: one line, exit 2, as for a bad flag
+        raise ValueError(str(e)) from None
+    print(f"aloepri proxy: http://{a.host}:{a.port}/v1 -> {a.server} ({a.backend}), model '{proxy.model_name}' "
+          f"(or '{STABLE_MODEL_NAME}'), "
           f"key check: {proxy.fingerprint_status}, client API key: {'required' if a.api_key else 'none'}",
           file=sys.stderr, flush=True)
     uvicorn.run(proxy.app(), host=a.host, port=a.port, log_level=a.log_level, access_log=False)
@@ -142,6 +189,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from .client import Client, UpstreamError, check_model_meta
 
     _check_common(a)
+    _check_key_file(a)
     client = Client(a.key, a.server, model=a.model, tokenizer=a.tokenizer, api_key=a.api_key, timeout=a.timeout,
                     backend=a.backend, server_tokenizer=a.server_tokenizer, default_max_tokens=a.max_tokens)
     if a.no_verify:

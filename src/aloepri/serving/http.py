@@ -1,10 +1,13 @@
 """The OpenAI HTTP scaffold shared by ``aloepri proxy`` and ``aloepri serve-local``: request-body validation, the
-error JSON, the app (lifespan, JSON 404), server-sent-event framing and the client-disconnect watcher.
+error JSON, the app (lifespan, JSON 404), server-sent-event framing, the client-disconnect watcher, and the guard
+against web pages (Host and Origin, :func:`browser_guard`).
 
 Every malformed input becomes a :class:`BadRequest` (a 400 with an OpenAI-shaped error), never an exception from
 deeper down.
 
-Checked here, once, for the whole body: it is UTF-8 JSON (no NaN/Infinity literals, no nesting deep enough to
+Checked here, once, for the whole body: it is sent as ``application/json`` (415 otherwise: a browser sends
+``text/plain`` cross-origin without asking first), no larger than the server's limit (413, refused from the
+``Content-Length`` or as soon as the bytes read pass it, never buffered whole), UTF-8 JSON (no NaN/Infinity literals, no nesting deep enough to
 exhaust the parser), an object, and every string in it is encodable (a lone surrogate such as ``"\\ud800"`` is
 valid JSON but no tokenizer takes it). Numbers are checked per field by :func:`number`: finite, in range, and
 integers where an integer is meant (64-bit at most: seeds and token counts end up in C code).
@@ -20,12 +23,19 @@ from typing import Any, Awaitable, Callable
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-class BadRequest(ValueError):
-    """A malformed request: answered with 400 and this message (``param`` names the field)."""
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt in JSON, with room
 
-    def __init__(self, message: str, param: str | None = None):
+
+class BadRequest(ValueError):
+    """A request refused: answered with ``status`` (400: malformed) and this message (``param`` names the field)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
+
+    def response(self):
+        etype = "not_found_error" if self.status == 404 else "invalid_request_error"
+        return error_response(self.status, str(self), etype, param=self.param, code=self.code)
 
 
 def error_body(message: str, etype: str = "invalid_request_error", param: str | None = None,
@@ -89,9 +99,25 @@ def event_stream(gen, on_close: Callable[[], Awaitable[None]] | None = None):
                                                                   "X-Accel-Buffering": "no"})
 
 
-async def read_json_body(request) -> dict[str, Any]:
-    """The request's body as a JSON object, or :class:`BadRequest`."""
-    return parse_json_body(await request.body())
+async def read_body(request, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> bytes:
+    """The raw body of a JSON request, at most ``max_bytes``: 415 unless it is sent as ``application/json``, 413 when
+    larger (before reading it when ``Content-Length`` says so, else as soon as the bytes read pass the limit)."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise BadRequest("send the request body as JSON with 'Content-Type: application/json'", status=415,
+                         code="unsupported_media_type")
+    too_large = BadRequest(f"the request body is larger than this server's limit of {max_bytes} bytes",
+                           status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def client_disconnected(request) -> None:
@@ -172,3 +198,52 @@ def number(body: dict, name: str, default: Any = None, lo: float | None = None, 
         rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
         raise BadRequest(f"'{name}' must be in {rng}", name)
     return v
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(host_header: str) -> str:
+    """The name in a ``Host`` header, without the port: ``[::1]:8080`` -> ``::1``, ``LocalHost:80`` -> ``localhost``."""
+    value = host_header.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def browser_guard(app, allowed_hosts: list[str], allowed_origins: list[str]):
+    """Refuse what a web page in the user's browser could send to a server on loopback (403, before anything else):
+
+    * a ``Host`` not in ``allowed_hosts`` (DNS rebinding: a page on evil.example whose name now points at 127.0.0.1
+      sends ``Host: evil.example``, and could read the answers as same-origin);
+    * an ``Origin`` not in ``allowed_origins`` (a cross-origin page; browsers send ``Origin`` on every
+      cross-origin POST and on CORS requests, and a page can POST without a preflight).
+
+    ``"*"`` in either allows any. Allowed origins also get CORS answers (preflight included), so a page the operator
+    trusts can read the replies."""
+    hosts = {host_name(h) for h in allowed_hosts}
+    origins = {o.strip().lower().rstrip("/") for o in allowed_origins}
+    inner = app
+    if origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        inner = CORSMiddleware(app, allow_origins=["*"] if "*" in origins else sorted(origins),
+                               allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            host = headers.get(b"host")
+            if host is not None and "*" not in hosts and host_name(host.decode("latin-1")) not in hosts:
+                return await error_response(
+                    403, "this server answers only requests addressed to "
+                         f"{', '.join(sorted(hosts))} (Host header); the operator allows more names with --allowed-host",
+                    code="host_not_allowed")(scope, receive, send)
+            origin = headers.get(b"origin")
+            if origin is not None and "*" not in origins and origin.decode("latin-1").strip().lower() not in origins:
+                return await error_response(
+                    403, "cross-origin requests from web pages are refused; the operator allows an origin with "
+                         "--allowed-origin", code="origin_not_allowed")(scope, receive, send)
+        return await inner(scope, receive, send)
+
+    return guarded

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from ..keyfile import MODEL_META_FILE
-from .http import (SSE_DONE, BadRequest, client_disconnected, error_body, error_response, event_stream, number,
-                   openai_app, read_json_body, sse)
+from .client.prompt import max_chars_per_token
+from .http import (DEFAULT_MAX_REQUEST_BYTES, SSE_DONE, BadRequest, client_disconnected, error_body, error_response,
+                   event_stream, number, openai_app, parse_json_body, read_body, sse)
 
 log = logging.getLogger("aloepri.serving.local_server")
 
@@ -196,7 +197,10 @@ class Engine:
 
 
 class LocalServer:
-    def __init__(self, model_dir: str | Path, model_name: str | None = None, dtype: torch.dtype | str = "auto"):
+    """``max_request_bytes``: the largest request body (413 above)."""
+
+    def __init__(self, model_dir: str | Path, model_name: str | None = None, dtype: torch.dtype | str = "auto",
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
@@ -219,6 +223,8 @@ class LocalServer:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer) if self.tokenizer is not None else None
+        self.max_request_bytes = max_request_bytes
         self.engine = Engine(self.model, self.eos_ids)
         self.created = int(time.time())
 
@@ -230,6 +236,10 @@ class LocalServer:
         if isinstance(p, str):
             if self.tokenizer is None:
                 raise BadRequest("this server has no tokenizer: send 'prompt' as a list of token ids", "prompt")
+            if self.max_chars_per_token and len(p) > self.max_len * self.max_chars_per_token:  # before tokenizing
+                raise BadRequest(f"the prompt is too long: its {len(p)} characters make at least "
+                                 f"{-(-len(p) // self.max_chars_per_token)} tokens; this model's context is "
+                                 f"{self.max_len}", "prompt")
             add = body.get("add_special_tokens", True)
             ids = self.tokenizer.encode(p, add_special_tokens=bool(add))
         elif isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
@@ -352,7 +362,7 @@ class LocalServer:
         entry = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "aloepri-serve-local",
                  "max_model_len": self.max_len}
         if self.meta.get("model_fingerprint"):
-            entry["aloepri"] = {"model_fingerprint": self.meta["model_fingerprint"]}
+            entry["aloepri"] = {"model_fingerprint": self.meta["model_fingerprint"], "vocab_size": self.vocab_size}
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def chat_completions(self, request):
@@ -365,16 +375,22 @@ class LocalServer:
     async def native_completion(self, request):
         return await self._complete(request, native=True)
 
+    def _parse(self, raw: bytes, native: bool) -> tuple[dict, list[int], GenRequest, int]:
+        """The request from its bytes: body, prompt ids, generation request, choices (in a worker thread: a long
+        text prompt is tokenized off the event loop)."""
+        body = parse_json_body(raw)
+        prompt = self._prompt(body)
+        return body, prompt, self._gen_request(body, prompt, native), self._choices(body, native)
+
     async def _complete(self, request, native: bool):
+        import anyio
         from starlette.responses import JSONResponse
 
         try:
-            body = await read_json_body(request)
-            prompt = self._prompt(body)
-            req = self._gen_request(body, prompt, native)
-            n = self._choices(body, native)
+            raw = await read_body(request, self.max_request_bytes)
+            body, prompt, req, n = await anyio.to_thread.run_sync(self._parse, raw, native)
         except BadRequest as e:
-            return error_response(400, str(e), param=e.param)
+            return e.response()
         stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_tokens" if native else "return_token_ids"))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -396,13 +412,18 @@ class LocalServer:
                 s.cancel()
         if err:
             return error_response(500, err, etype="server_error")
+        out = await anyio.to_thread.run_sync(self._answer, results, prompt, req, rid, native, want_ids, as_ids)
+        return JSONResponse(out)
+
+    def _answer(self, results: list, prompt: list[int], req: GenRequest, rid: str, native: bool, want_ids: bool,
+                as_ids: bool) -> dict:
+        """A whole (not streamed) answer's JSON; detokenized in a worker thread."""
         if native:
             ids, steps, finish = results[0]
             detok = self._detok()
-            out = {"content": detok.push(ids, final=True) if detok else "", "tokens": ids if want_ids else [],
-                   "stop": True, "model": self.model_name, "stop_type": "limit" if finish == "length" else "eos",
-                   "tokens_predicted": len(ids), "tokens_evaluated": len(prompt)}
-            return JSONResponse(out)
+            return {"content": detok.push(ids, final=True) if detok else "", "tokens": ids if want_ids else [],
+                    "stop": True, "model": self.model_name, "stop_type": "limit" if finish == "length" else "eos",
+                    "tokens_predicted": len(ids), "tokens_evaluated": len(prompt)}
         choices = []
         for i, (ids, steps, finish) in enumerate(results):
             detok = self._detok()
@@ -414,10 +435,9 @@ class LocalServer:
                 choice["prompt_token_ids"] = prompt
             choices.append(choice)
         done = sum(len(r[0]) for r in results)
-        out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-               "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
-                                             "total_tokens": len(prompt) + done}}
-        return JSONResponse(out)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
+                                              "total_tokens": len(prompt) + done}}
 
     async def _stream_openai(self, sessions: list[Session], rid: str, want_ids: bool, as_ids: bool):
         n_choices, prompt = len(sessions), sessions[0].req.prompt
@@ -533,12 +553,14 @@ async def _cancel_on_disconnect(request, sessions: list[Session]) -> None:
 
 
 def serve_local(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-                threads: int | None = None, log_level: str = "info", dtype: str = "auto") -> None:
+                threads: int | None = None, log_level: str = "info", dtype: str = "auto",
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     import uvicorn
 
     if threads:
         torch.set_num_threads(threads)
-    server = LocalServer(model_dir, model_name, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    server = LocalServer(model_dir, model_name, dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+                         max_request_bytes=max_request_bytes)
     print(f"aloepri serve-local: {server.model_name} ({server.model_dir}) on http://{host}:{port}  "
           f"[no key here: the server sees token ids only]", flush=True)
     uvicorn.run(server.app(), host=host, port=port, log_level=log_level)

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from .client import AsyncClient, AsyncReplyStream, Completion, GenerationParams, TokenLogprob, UpstreamError
-from .http import (SSE_DONE, BadRequest, client_disconnected, error_body, error_response, event_stream, number,
-                   openai_app, read_json_body, sse)
+from .http import (DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_NAMES, SSE_DONE, BadRequest, browser_guard,
+                   client_disconnected, error_body, error_response, event_stream, number, openai_app, parse_json_body,
+                   read_body, sse)
 from .tools import ToolCallStream, check_tools, parse_tool_calls, template_tool_calls
 
 log = logging.getLogger("aloepri.serving.proxy")
@@ -115,13 +116,20 @@ def _include_usage(body: dict) -> bool:
     return bool(so.get("include_usage"))
 
 
-def _stream_flag(body: dict) -> bool:
-    s = body.get("stream", False)
-    if s is None:
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field, false when absent or null."""
+    flag = body.get(name, False)
+    if flag is None:
         return False
-    if not isinstance(s, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
-    return s
+    if not isinstance(flag, bool):
+        raise BadRequest(f"'{name}' must be a boolean", name)
+    return flag
+
+
+def _special_tokens_flag(body: dict) -> bool:
+    """``parse_special_tokens: true`` (an aloepri extension): the caller's text may hold the template's control
+    tokens (``<|im_end|>``...) and they are tokenized as such. Off by default, as in OpenAI's API: text is text."""
+    return _flag(body, "parse_special_tokens")
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -291,14 +299,21 @@ def _api_key_guard(app, keys: list[str]):
     return guarded
 
 
+STABLE_MODEL_NAME = "aloepri"  # always accepted, whatever the upstream calls its model (start order, restarts)
+
+
 class Proxy:
     """The proxy app. ``context_len``: the model's context (prompt + reply tokens), None if unknown;
     ``max_tokens_limit``: a ceiling on the reply length set by the operator. A request's ``max_tokens`` is capped
-    at both (at the context less the prompt). ``api_keys``: the keys a client must send (none: open)."""
+    at both (at the context less the prompt). ``api_keys``: the keys a client must send (none: open).
+    ``max_request_bytes``: the largest request body (413 above). ``allowed_hosts`` / ``allowed_origins``: the
+    ``Host`` names and browser ``Origin`` headers answered (see :func:`aloepri.serving.http.browser_guard`)."""
 
     def __init__(self, client: AsyncClient, model_name: str, *, log_plaintext: bool = False,
                  chat_max_tokens: int | None = None, context_len: int | None = None,
-                 max_tokens_limit: int | None = None, api_keys: list[str] | None = None):
+                 max_tokens_limit: int | None = None, api_keys: list[str] | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None,
+                 allowed_origins: list[str] | None = None):
         self.client = client
         self.model_name = model_name
         self.log_plaintext = log_plaintext
@@ -306,6 +321,9 @@ class Proxy:
         self.context_len = context_len
         self.max_tokens_limit = max_tokens_limit
         self.api_keys = [k for k in (api_keys or []) if k]
+        self.max_request_bytes = max_request_bytes
+        self.allowed_hosts = list(LOOPBACK_NAMES) + list(allowed_hosts or [])
+        self.allowed_origins = list(allowed_origins or [])
         self.created = int(time.time())
         self.in_flight = 0
 
@@ -326,7 +344,8 @@ class Proxy:
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
         ]
         app = openai_app(routes, on_shutdown=self.client.aclose)
-        return _api_key_guard(app, self.api_keys) if self.api_keys else app
+        app = _api_key_guard(app, self.api_keys) if self.api_keys else app
+        return browser_guard(app, self.allowed_hosts, self.allowed_origins)
 
     async def health(self, request):
         from starlette.responses import JSONResponse
@@ -349,13 +368,16 @@ class Proxy:
         from starlette.responses import JSONResponse
 
         name = request.path_params["model"]
-        if name != self.model_name:
-            return self._unknown_model(name)
+        if not self._serves(name):
+            return self._unknown_model(name).response()
         return JSONResponse(self._model_entry())
 
-    def _unknown_model(self, name: str):
-        return error_response(404, f"The model `{name}` does not exist. This proxy serves `{self.model_name}`.",
-                              param="model", code="model_not_found")
+    def _serves(self, name: str) -> bool:
+        return name in (self.model_name, STABLE_MODEL_NAME)
+
+    def _unknown_model(self, name: str) -> BadRequest:
+        return BadRequest(f"The model `{name}` does not exist. This proxy serves `{self.model_name}` (also "
+                          f"called `{STABLE_MODEL_NAME}`).", "model", status=404, code="model_not_found")
 
     async def embeddings(self, request):
         return error_response(400, "/v1/embeddings is not supported by the aloepri proxy: it serves a generative "
@@ -378,8 +400,12 @@ class Proxy:
             raise BadRequest("this proxy has no tokenizer (and chat template) for the model: use /v1/completions "
                              "with token ids, or start the proxy with --tokenizer")
         tools = _tools(body, self.client.tokenizer)
+        # the messages' text alone: a template renders all of it (other fields it may drop), so this never
+        # refuses a prompt that fits
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        special_tokens = _special_tokens_flag(body)
         try:
-            plain = self.client.core.chat_prompt_ids(messages, tools=tools)
+            plain = self.client.core.chat_prompt_ids(messages, tools=tools, special_tokens=special_tokens)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise BadRequest(f"the chat template rejected the messages ({type(e).__name__})", "messages") from None
         return _Ask("chat", plain, params, tools=tools), ("messages", messages)
@@ -388,8 +414,11 @@ class Proxy:
         prompt = _completion_prompt(body, self.client.tokenizer is not None)
         params = _common_params(body, self.client.key.vocab_size, 16)  # OpenAI's default for completions
         params.logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+        if isinstance(prompt, str):
+            self._check_prompt_chars(len(prompt), "prompt")
+        special_tokens = _special_tokens_flag(body)
         try:
-            plain = self.client.core.completion_prompt_ids(prompt)
+            plain = self.client.core.completion_prompt_ids(prompt, special_tokens=special_tokens)
         except ValueError as e:
             raise BadRequest(str(e), "prompt") from None
         if params.stop and self.client.tokenizer is None:
@@ -398,24 +427,42 @@ class Proxy:
         return (_Ask("completions", plain, params, ids_out=ids_out),
                 ("prompt", prompt if isinstance(prompt, str) else list(prompt)))
 
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse a text too long for the context before tokenizing it: no token stands for more than
+        ``max_chars_per_token`` characters, so the prompt has at least chars / that many tokens."""
+        per_token = self.client.core.prompts.max_chars_per_token if self.client.core.prompts else None
+        if self.context_len is None or per_token is None:
+            return
+        if chars > self.context_len * per_token:
+            raise BadRequest(f"the prompt is too long: its {chars} characters make at least {-(-chars // per_token)} "
+                             f"tokens; the model's context is {self.context_len}", param)
+
+    def _parse(self, raw: bytes, kind: str, parse) -> tuple[_Ask, tuple[str, Any]]:
+        """The whole request, from its bytes to the prompt's ids: validation, template and tokenizer, in one place
+        (run in a worker thread: the CPU-heavy part of a request never holds up the event loop)."""
+        body = parse_json_body(raw)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise BadRequest("'model' must be a string", "model")
+        if model is not None and not self._serves(model):
+            raise self._unknown_model(model)
+        _reject_unsupported(body, kind)
+        stream, include_usage = _flag(body, "stream"), _include_usage(body)
+        ask, logged = parse(body)
+        ask.stream, ask.include_usage = stream, include_usage
+        return ask, logged
+
     async def _endpoint(self, request, kind: str, id_prefix: str, parse):
+        import anyio
+
         rid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
         t0 = time.perf_counter()
         try:
-            body = await read_json_body(request)
-            model = body.get("model")
-            if model is not None and not isinstance(model, str):
-                raise BadRequest("'model' must be a string", "model")
-            if model is not None and model != self.model_name:
-                log.info("%s %s 404 unknown model", rid, kind)
-                return self._unknown_model(model)
-            _reject_unsupported(body, kind)
-            stream, include_usage = _stream_flag(body), _include_usage(body)
-            ask, (what, plaintext) = parse(body)
-            ask.stream, ask.include_usage = stream, include_usage
+            raw = await read_body(request, self.max_request_bytes)
+            ask, (what, plaintext) = await anyio.to_thread.run_sync(self._parse, raw, kind, parse)
         except BadRequest as e:
-            log.info("%s %s 400 %s", rid, kind, e)
-            return error_response(400, str(e), param=e.param)
+            log.info("%s %s %d %s", rid, kind, e.status, "unknown model" if e.status == 404 else e)
+            return e.response()
         if self.log_plaintext:
             log.info("%s %s plaintext %s=%s", rid, kind, what, json.dumps(plaintext, ensure_ascii=False))
         return await self._serve(request, rid, ask, t0)
@@ -640,14 +687,21 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
                 backend: str = "openai-completions", tokenizer: Any = None, server_tokenizer: Any = None,
                 api_key: str | None = None, timeout: float = 300.0, log_plaintext: bool = False,
                 chat_max_tokens: int = 512, verify: bool = True, model_meta: str | None = None,
-                max_tokens_limit: int | None = None, client_api_key: str | list[str] | None = None) -> Proxy:
+                max_tokens_limit: int | None = None, client_api_key: str | list[str] | None = None,
+                upstream_wait: float = 0.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None) -> Proxy:
     """Load the key and tokenizer, check the key where possible, and return the :class:`Proxy`.
 
-    Key checks at start: against ``model_meta`` (a local copy of the server directory's aloepri_model.json) if
-    given, and against the fingerprint the upstream lists in /v1/models if it lists one (``aloepri serve-local``
-    does; vLLM and llama.cpp do not). A mismatch raises KeyMismatchError. After that (unless ``verify`` is off)
-    every reply is checked before it is decoded, so a server restarted with another model is refused, not
-    decoded into garbage: see :class:`aloepri.serving.client.UpstreamGuard`.
+    Key checks at start: the permutation must cover the tokenizer's vocabulary (and the upstream's, where its
+    /v1/models tells it; a damaged key is refused, not left to fail every request); against ``model_meta`` (a
+    local copy of the server directory's aloepri_model.json) if given, and against the fingerprint the upstream
+    lists in /v1/models if it lists one (``aloepri serve-local`` does; vLLM and llama.cpp do not). A mismatch
+    raises KeyMismatchError. After that (unless ``verify`` is off) every reply is checked before it is decoded, so
+    a server restarted with another model is refused, not decoded into garbage: see
+    :class:`aloepri.serving.client.UpstreamGuard`.
+
+    ``upstream_wait``: seconds to keep asking an upstream that is not up yet (started together with the proxy)
+    before giving up with UpstreamUnreachable; 0 starts without it (its first answer is then checked).
 
     ``client_api_key``: the key (or keys) the proxy's own clients must send as ``Authorization: Bearer`` on every
     ``/v1`` route (``api_key`` is the upstream's).
@@ -656,8 +710,8 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
     upstream's /v1/models, else the source checkpoint's config.json) and at ``max_tokens_limit`` if given.
     """
     from .client import (UpstreamGuard, UpstreamTimeout, UpstreamUnreachable, check_model_meta, listing_entries,
-                         context_in_listing, fetch_models, fingerprint_in_listing, normalize_base_url)
-    from ..keyfile import check_fingerprint, load_key
+                         context_in_listing, fingerprint_in_listing, normalize_base_url)
+    from ..keyfile import KeyFileError, check_fingerprint, load_key
 
     upstream = normalize_base_url(upstream)
     if max_tokens_limit is not None and max_tokens_limit < 1:
@@ -670,12 +724,19 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     listing = None
     try:
-        listing = fetch_models(upstream, headers, timeout=min(timeout, 10.0))
+        listing = _wait_for_listing(upstream, headers, min(timeout, 10.0), upstream_wait)
     except (UpstreamUnreachable, UpstreamTimeout) as e:
+        if upstream_wait > 0:
+            raise UpstreamUnreachable(f"the upstream {upstream} did not answer within {upstream_wait:g} s ({e}); "
+                                      "start it first, or give --upstream-wait SECONDS") from None
         log.warning("upstream not reachable at start (%s); the key will be checked against its first answer", e)
     entries = listing_entries(listing) or []
     if model is None and entries:
         model = entries[0].get("id")
+    upstream_vocab = _vocab_in_listing(listing, model)
+    if upstream_vocab is not None and upstream_vocab > keyfile.vocab_size:
+        raise KeyFileError(f"the key is damaged or belongs to another model: its permutation covers "
+                           f"{keyfile.vocab_size} token ids, the upstream's model has {upstream_vocab}")
     if verify and entries:
         fp = fingerprint_in_listing(listing, model)
         if fp is not None:
@@ -693,9 +754,41 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
     client.core.guard = UpstreamGuard(keyfile.model_fingerprint, model, listing if verify else None, status,
                                       mode="pin" if verify else "off")
     keys = [client_api_key] if isinstance(client_api_key, str) else list(client_api_key or [])
-    return Proxy(client, served_model_name or model or "aloepri", log_plaintext=log_plaintext,
+    return Proxy(client, served_model_name or model or STABLE_MODEL_NAME, log_plaintext=log_plaintext,
                  chat_max_tokens=chat_max_tokens, context_len=context_len, max_tokens_limit=max_tokens_limit,
-                 api_keys=keys)
+                 api_keys=keys, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts,
+                 allowed_origins=allowed_origins)
+
+
+def _wait_for_listing(upstream: str, headers: dict, timeout: float, wait: float) -> Any:
+    """The upstream's /v1/models (None when it has none), asked again every half second for up to ``wait`` seconds
+    while nothing answers on its port yet (serve-local and vLLM open it once the model is loaded)."""
+    from .client import UpstreamTimeout, UpstreamUnreachable, fetch_models
+
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            return fetch_models(upstream, headers, timeout=timeout)
+        except (UpstreamUnreachable, UpstreamTimeout):
+            if time.monotonic() >= deadline:
+                raise
+        if not said:
+            log.warning("waiting up to %g s for the upstream %s to come up", wait, upstream)
+            said = True
+        time.sleep(0.5)
+
+
+def _vocab_in_listing(listing: Any, model: str | None) -> int | None:
+    """The vocabulary size the upstream reports for ``model`` (serve-local: ``aloepri.vocab_size``), if any."""
+    from .client import listing_entries
+
+    for entry in listing_entries(listing) or []:
+        if model is None or entry.get("id") == model:
+            meta = entry.get("aloepri")
+            size = meta.get("vocab_size") if isinstance(meta, dict) else None
+            return size if isinstance(size, int) and not isinstance(size, bool) else None
+    return None
 
 
 def _source_context(key) -> int | None:

@@ -70,6 +70,9 @@ class AsyncClient(ClientBase):
         return rs if stream else await rs.collect()
 
 
+OFFLOAD_BYTES = 16384
+
+
 class AsyncReplyStream(ReplyStreamBase):
     """The asyncio twin of :class:`~.sync.ReplyStream`: the same :class:`~.exchange.ReplyState`, driven by an async
     connection."""
@@ -120,12 +123,17 @@ class AsyncReplyStream(ReplyStreamBase):
                 yield sse.data
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
+        import anyio
+
         st = self._state
         try:
             with upstream_errors(st.stage):
                 async with aclosing(self._raw()) as raws:
                     async for raw in raws:
-                        for delta in st.feed(raw):
+                        # a large answer (a whole reply, logprobs) is decoded in a worker thread: the event loop
+                        # serves other requests meanwhile; a streamed token is too small to be worth the hop
+                        heavy = len(raw) > OFFLOAD_BYTES
+                        for delta in (await anyio.to_thread.run_sync(st.feed, raw)) if heavy else st.feed(raw):
                             yield delta
                         if not st.reads_on():
                             break

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from ...keyfile import KeyFile, check_fingerprint, load_key
+from ...keyfile import KeyFile, KeyFileError, check_fingerprint, load_key
 from ...runtime.tokenizer import load_tokenizer
 from .decode import Completion, Delta, ReplyDecoder
+from .prompt import PromptEncoder
 from .errors import UpstreamProtocolError, http_error
 from .guard import UpstreamGuard, fingerprint_in_listing
 from .wire import Backend, Call, GenerationParams, Piece, event_json, make_backend, normalize_base_url
@@ -34,6 +36,8 @@ class ClientCore:
         self.base_url = normalize_base_url(base_url)  # first: a bad URL fails before the key and tokenizer load
         self.key = key if isinstance(key, KeyFile) else load_key(key)
         self.tokenizer = load_tokenizer(self.key, tokenizer)
+        check_key_covers_tokenizer(self.key, self.tokenizer)
+        self.prompts = PromptEncoder(self.tokenizer) if self.tokenizer is not None else None
         self.model = model
         self.backend = make_backend(backend, server_tokenizer, self.key.vocab_size)
         self.default_max_tokens = default_max_tokens
@@ -49,23 +53,23 @@ class ClientCore:
         return self.timeout
 
     # -- prompts
-    def chat_prompt_ids(self, messages: Sequence[dict[str, Any]] | str, tools: list[dict] | None = None) -> list[int]:
-        """The chat template rendered (with ``tools``, if given, for the template to describe) and tokenized."""
+    def chat_prompt_ids(self, messages: Sequence[dict[str, Any]] | str, tools: list[dict] | None = None,
+                        special_tokens: bool = False) -> list[int]:
+        """The chat template rendered (with ``tools``, if given, for the template to describe) and tokenized. The
+        strings of ``messages`` and ``tools`` are text: control tokens come from the template only, unless
+        ``special_tokens`` (see :mod:`.prompt`)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        if self.tokenizer is None:
+        if self.prompts is None:
             raise ValueError("chat needs a tokenizer: the key names none for this model; pass tokenizer=...")
-        extra = {"tools": tools} if tools else {}
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return self.prompts.chat_ids(messages, tools, special_tokens)
 
-    def completion_prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def completion_prompt_ids(self, prompt: str | Sequence[int], special_tokens: bool = False) -> list[int]:
+        """A text prompt tokenized (text: no control tokens unless ``special_tokens``), or token ids checked."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if self.prompts is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer=... or give the prompt as token ids")
-            return [int(i) for i in self.tokenizer.encode(prompt)]
+            return self.prompts.text_ids(prompt, special_tokens)
         ids = [int(i) for i in prompt]
         bad = [i for i in ids if not 0 <= i < self.key.vocab_size]
         if bad:
@@ -101,6 +105,21 @@ class ClientCore:
             check_fingerprint(self.key, fingerprint, f"the model {self.base_url} serves")
         self.guard.arm(listing)
         return fingerprint is not None
+
+
+def check_key_covers_tokenizer(key: KeyFile, tokenizer: Any) -> None:
+    """A key whose permutation is shorter than the tokenizer's vocabulary (or than its own EOS id) is damaged: every
+    prompt would fail on an id it cannot map. Refused here, at start, in one line."""
+    eos = key.special_tokens.get("eos_token_id")
+    for i in (eos if isinstance(eos, list) else [eos]):
+        if isinstance(i, int) and not 0 <= i < key.vocab_size:
+            raise KeyFileError(f"the key is damaged: its permutation covers {key.vocab_size} token ids, but its EOS "
+                               f"id is {i}; use the key written by `aloepri obfuscate`")
+    size = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
+    if size is not None and size > key.vocab_size:
+        raise KeyFileError(f"the key is damaged or belongs to another model: its permutation covers {key.vocab_size} "
+                           f"token ids, the tokenizer has {size}; use the key written by `aloepri obfuscate` for "
+                           "this model")
 
 
 def _finish_piece(decoder: ReplyDecoder, piece: Piece, usage: dict) -> Delta:
@@ -311,7 +330,8 @@ class ClientBase:
     ``messages``: a list of ``{"role", "content"}`` or one user message as a string; ``prompt``: text or plaintext
     token ids. ``params``: ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
     ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias`` (plaintext id -> bias),
-    ``n``, ``logprobs``.
+    ``n``, ``logprobs``. Text is text: a control token's string in it (``<|im_end|>``) is tokenized as text, never
+    as the control token; ``special_tokens=True`` lets the caller's text hold control tokens.
 
     ``tokenizer``: the plaintext tokenizer (object, directory or .gguf; default: the one the key names). Any object
     with ``apply_chat_template``, ``encode`` and ``decode`` like Hugging Face's works.
@@ -326,17 +346,21 @@ class ClientBase:
     backend = property(lambda self: self.core.backend)
     guard = property(lambda self: self.core.guard)  # UpstreamGuard: is each reply from the key's model?
 
-    def chat(self, messages: Sequence[dict[str, Any]] | str, **params: Any):
-        return self._reply(self.core.chat_prompt_ids, messages, params, stream=False)
+    def chat(self, messages: Sequence[dict[str, Any]] | str, *, special_tokens: bool = False, **params: Any):
+        return self._reply(partial(self.core.chat_prompt_ids, special_tokens=special_tokens), messages, params,
+                           stream=False)
 
-    def stream_chat(self, messages: Sequence[dict[str, Any]] | str, **params: Any):
-        return self._reply(self.core.chat_prompt_ids, messages, params, stream=True)
+    def stream_chat(self, messages: Sequence[dict[str, Any]] | str, *, special_tokens: bool = False, **params: Any):
+        return self._reply(partial(self.core.chat_prompt_ids, special_tokens=special_tokens), messages, params,
+                           stream=True)
 
-    def complete(self, prompt: str | Sequence[int], **params: Any):
-        return self._reply(self.core.completion_prompt_ids, prompt, params, stream=False)
+    def complete(self, prompt: str | Sequence[int], *, special_tokens: bool = False, **params: Any):
+        return self._reply(partial(self.core.completion_prompt_ids, special_tokens=special_tokens), prompt, params,
+                           stream=False)
 
-    def stream_complete(self, prompt: str | Sequence[int], **params: Any):
-        return self._reply(self.core.completion_prompt_ids, prompt, params, stream=True)
+    def stream_complete(self, prompt: str | Sequence[int], *, special_tokens: bool = False, **params: Any):
+        return self._reply(partial(self.core.completion_prompt_ids, special_tokens=special_tokens), prompt, params,
+                           stream=True)
 
     def _reply(self, prompt_ids: Callable[[Any], list[int]], prompt: Any, params: dict[str, Any], stream: bool):
         """``prompt_ids(prompt)`` sent with ``generation_params(**params)``: the stream, or (not ``stream``) the
