@@ -12,15 +12,16 @@ Stages (each a pure function on numpy / torch arrays):
    request: known (cipher, plain) pairs for free (``behavioural.template_anchors``).
 2. **Frequency seed.** Every other observed id starts at the public reference token of the same frequency rank
    (TFMA), restricted to the candidate plaintext tokens.
-3. **Context decipherment (iterated conditional modes).** For every observed cipher id ``c`` and every candidate
-   plaintext token ``v``, a score ``S[c, v]`` sums, over the occurrences of ``c``, the log-probability of ``v``
-   given its deciphered left neighbour and of the deciphered right neighbour given ``v`` under a smoothed bigram
-   model of the public text. A 1:1 assignment (greedy on per-row posteriors, most confident first; anchors fixed)
-   gives the next mapping; repeat.
-4. **Public-LM refinement** (the observer with the model). The public LM reads the deciphered requests (batched,
-   within a budget of tokens and seconds); at each position its next-token distribution scores every candidate for
-   the cipher id there, given the whole deciphered left context. Those scores replace the bigram's left-neighbour
-   term for the occurrences the LM read; reassign; repeat.
+3. **Context decipherment.** For every observed cipher id ``c`` and every candidate plaintext token ``v``, a score
+   ``S[c, v]`` sums, over the occurrences of ``c``, the expected log-probability of ``v`` given its left neighbour
+   and of the right neighbour given ``v`` under a smoothed bigram model of the public text, plus a Poisson term
+   for the id's count. Mean-field iterations (neighbours as beliefs, temperature falling) sharpen the beliefs; a
+   greedy 1:1 assignment (most confident first; anchors fixed) starts a simulated annealing over the 1:1 mapping
+   on the exact bigram log-likelihood of the whole observed stream.
+4. **Public-LM judge** (the observer with the model). The public LM reads the deciphered requests (batched, within
+   a budget of tokens and seconds). Candidate mappings (another annealing run; a mapping re-annealed with the LM's
+   next-token log-probabilities as extra evidence) replace the current one only if the LM finds the deciphered
+   stream likelier: the traffic was written for this model (and its replies by it), so no key is needed to choose.
 
 Scoring needs the key and nothing else does: ``decipher_stream`` returns a full ``cipher -> plain`` guess.
 """
@@ -85,29 +86,15 @@ class ObservedStream:
         return cls(ids, rows, counts)
 
 
-def adjacency(stream: ObservedStream, skip_left: list[np.ndarray] | None = None
-              ) -> tuple[sp.csr_matrix, sp.csr_matrix]:
-    """(R, R) counts: ``left[r, q]`` = times row q immediately precedes row r; ``right[r, q]`` = times q follows r.
-    ``skip_left[i]``: positions of request i whose left-context evidence comes from elsewhere (the LM)."""
-    lr, lc = [], []
-    for i, rows in enumerate(stream.rows):
-        if len(rows) < 2:
-            continue
-        prev, cur = rows[:-1], rows[1:]
-        keep = np.ones(len(cur), bool)
-        if skip_left is not None and len(skip_left[i]):
-            keep[skip_left[i] - 1] = False
-        lr.append(np.stack([cur[keep], prev[keep]]))
-        lc.append(np.stack([prev, cur]))
+def adjacency(stream: ObservedStream) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    """(R, R) counts: ``left[r, q]`` = times row q immediately precedes row r; ``right[r, q]`` = times q follows r."""
+    pairs = [np.stack([rows[:-1], rows[1:]]) for rows in stream.rows if len(rows) > 1]
     n = len(stream.cipher_ids)
-
-    def counts(parts: list[np.ndarray]) -> sp.csr_matrix:
-        if not parts:
-            return sp.csr_matrix((n, n))
-        rc = np.concatenate(parts, axis=1)
-        return sp.coo_matrix((np.ones(rc.shape[1]), (rc[0], rc[1])), shape=(n, n)).tocsr()
-
-    return counts(lr), counts(lc)
+    if not pairs:
+        return sp.csr_matrix((n, n)), sp.csr_matrix((n, n))
+    prev, cur = np.concatenate(pairs, axis=1)
+    left = sp.coo_matrix((np.ones(len(cur)), (cur, prev)), shape=(n, n)).tocsr()
+    return left, left.T.tocsr()
 
 
 def belief_matrix(plain_of_row: np.ndarray | None, beliefs: tuple[np.ndarray, np.ndarray] | None,
@@ -213,6 +200,18 @@ class LMScorer:
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
         return torch.log_softmax(logits.float(), dim=-1), chunk, (0 if bos is not None else 1)
 
+    def _scored_positions(self, stream: ObservedStream, plain_of_row: np.ndarray, requests: Sequence[int],
+                          scored: np.ndarray, bos: int | None):
+        """Per request and batch: (the LM's log-probs predicting each scored position (P, V), the rows there).
+        Scored = positions with a left context (all with ``bos``) whose row is in ``scored``."""
+        for a in range(0, len(requests), self.batch):
+            logp, chunk, shift = self._log_probs(stream, plain_of_row, requests[a:a + self.batch], bos)
+            for j, rows in enumerate(chunk):
+                pos = np.arange(shift, len(rows))
+                pos = pos[scored[rows[pos]]]
+                if len(pos):
+                    yield logp[j, torch.as_tensor(pos - shift, device=self.device)], rows[pos]
+
     @torch.no_grad()
     def scores(self, stream: ObservedStream, plain_of_row: np.ndarray, requests: Sequence[int], columns: np.ndarray,
                scored: np.ndarray, bos: int | None = None) -> np.ndarray:
@@ -220,14 +219,8 @@ class LMScorer:
         left context). Position 0 has no left context and is skipped unless ``bos`` is given."""
         out = torch.zeros(len(stream.cipher_ids), len(columns), dtype=torch.float64)
         cols = torch.as_tensor(columns, device=self.device)
-        for a in range(0, len(requests), self.batch):
-            logp, chunk, shift = self._log_probs(stream, plain_of_row, requests[a:a + self.batch], bos)
-            for j, rows in enumerate(chunk):
-                pos = np.arange(shift, len(rows))
-                pos = pos[scored[rows[pos]]]
-                if len(pos):
-                    pred = logp[j, torch.as_tensor(pos - shift, device=self.device)][:, cols]
-                    out.index_add_(0, torch.as_tensor(rows[pos]), pred.double().cpu())
+        for logp, rows in self._scored_positions(stream, plain_of_row, requests, scored, bos):
+            out.index_add_(0, torch.as_tensor(rows), logp[:, cols].double().cpu())
         return out.numpy()
 
     @torch.no_grad()
@@ -236,15 +229,10 @@ class LMScorer:
         """Mean negative log-likelihood, under the LM, of the deciphered tokens at positions where ``scored[row]``:
         the observer's key-free yardstick (the traffic was written for, and partly by, this model)."""
         total, n = 0.0, 0
-        for a in range(0, len(requests), self.batch):
-            logp, chunk, shift = self._log_probs(stream, plain_of_row, requests[a:a + self.batch], bos)
-            for j, rows in enumerate(chunk):
-                pos = np.arange(shift, len(rows))
-                pos = pos[scored[rows[pos]]]
-                if len(pos):
-                    tok = torch.as_tensor(np.where(plain_of_row[rows[pos]] >= 0, plain_of_row[rows[pos]], 0))
-                    total -= float(logp[j, torch.as_tensor(pos - shift)].gather(1, tok[:, None]).sum())
-                    n += len(pos)
+        for logp, rows in self._scored_positions(stream, plain_of_row, requests, scored, bos):
+            tok = torch.as_tensor(np.where(plain_of_row[rows] >= 0, plain_of_row[rows], 0), device=logp.device)
+            total -= float(logp.gather(1, tok[:, None]).sum())
+            n += len(rows)
         return total / max(n, 1)
 
 
@@ -374,7 +362,7 @@ def frequency_seed(stream: ObservedStream, reference_counts: np.ndarray, columns
 
 
 def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, reference: Sequence[Sequence[int]],
-                    prefix: Sequence[int] = (), suffix: Sequence[int] = (), *, iterations: int = 0,
+                    prefix: Sequence[int] = (), suffix: Sequence[int] = (), *,
                     lm: LMScorer | None = None, lm_weights: Sequence[float] = (0.3,), restarts: int = 1,
                     lm_tokens: int = 20_000, lm_judge_tokens: int = 3_000,
                     lm_seconds: float = 600.0, max_candidates: int = 30_000,
@@ -384,9 +372,10 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
     """Decipher the observed ``requests`` (cipher ids, one sequence per request) into plaintext ids.
 
     ``reference``: public plaintext token sequences (the observer's text). ``prefix`` / ``suffix``: the public chat
-    template's constant ids around a user message (anchors). ``lm``: the public model; ``lm_tokens`` /
-    ``lm_seconds``: its budget per LM iteration (requests sampled until the token budget; the iteration stops at
-    the time budget). ``max_candidates``: plaintext tokens considered (most frequent in the reference first, anchors
+    template's constant ids around a user message (anchors). ``lm``: the public model, judging ``restarts`` more
+    annealing runs and one LM-refined mapping per ``lm_weights`` entry on ``lm_judge_tokens`` tokens;
+    ``lm_tokens`` / ``lm_seconds``: what it reads to refine (requests sampled until the token budget; reading
+    stops at the time budget). ``max_candidates``: plaintext tokens considered (most frequent in the reference first, anchors
     always). ``progress(entry, obf_to_plain)`` may score an iteration (the caller holds the key) and returns
     fields to record."""
     t0 = time.perf_counter()
@@ -438,11 +427,6 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
         plain_of_row = anneal_stage(model, left, scores, columns, plain_of_row, fixed, counts, total,
                                     anneal_steps * len(counts), anneal_candidates, seed)
         record({"stage": "annealing", "steps": anneal_steps * len(counts)})
-    for it in range(iterations):
-        scores = uni + context_scores(model, left, right, belief_matrix(plain_of_row, None, vocab_size,
-                                                                        len(counts)), columns)
-        plain_of_row, _ = assign_one_to_one(scores, columns, fixed)
-        record({"stage": f"bigram ICM {it + 1}"})
     if lm is not None:
         order = np.random.default_rng(seed).permutation(len(requests))
         lengths = np.array([len(r) for r in stream.rows])
