@@ -16,7 +16,8 @@ References (the observer's text): ``public`` = fortunes + debian-reference (Debi
 computing documentation, neither the client's source); ``same-distribution`` = traffic generated exactly like the
 client's with other Faker values and the other half of python-docs (the observer's best case). Controls:
 ``control/victim-text`` (positive: the reference is the observed traffic's own plaintext) and
-``control/random-mapping`` (negative: a random 1:1 guess). TFMA (``tfma/<reference>``) runs on the same streams.
+``control/random-mapping`` (negative: a random 1:1 guess). The paper's attacks run on the same streams: TFMA
+(``tfma/<reference>``, every volume) and SDA (``sda/<reference>``, budget ci, at the controls' volumes).
 
 Resumable: keyed ``<reference>/<observer>/<volume>``; entries present are skipped.
 """
@@ -64,6 +65,8 @@ def run(s: Settings, store: ResultStore) -> None:
     keys = [f"{r}/{v}" for r in s.runs for v in s.volumes]
     keys += [f"tfma/{ref}/{v}" for ref in ("public", "same-distribution") for v in s.volumes]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
+    # the paper's own context attack (SDA, budget ci) on the same streams, where the controls are
+    keys += [f"sda/{ref}/{v}" for ref in ("public", "same-distribution") for v in s.controls_at]
     # small volumes first, and at each volume the slow public-model entries last, so that a stopped run already
     # holds the lower half of every curve
     todo = sorted((k for k in keys if not store.has(k)),
@@ -94,7 +97,13 @@ def run(s: Settings, store: ResultStore) -> None:
         truth = stream.ids[sl]
         t0 = time.perf_counter()
         extra: dict = {}
-        if parts[0] == "tfma":
+        if parts[0] == "sda":
+            from .logs_only import run_sda
+
+            ref = np.concatenate(reference(parts[1]))
+            sda = run_sda(tok, stream, sl, ref, perm, s.seed)
+            guess, extra = sda.pop("guess"), {"sda": sda["sda"]}
+        elif parts[0] == "tfma":
             match = tfma_match(np.concatenate(observed), np.concatenate(reference(parts[1])), len(perm), s.seed)
             guess = match.obf_to_plain[np.concatenate(observed)]
         elif parts[0] == "control" and parts[1] == "random-mapping":

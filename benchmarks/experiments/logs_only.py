@@ -178,7 +178,7 @@ def run_tfma(tokenizer, stream: Stream, sl: slice, prior: np.ndarray, perm: np.n
 
 
 def run_sda(tokenizer, stream: Stream, sl: slice, prior: np.ndarray, perm: np.ndarray, seed: int) -> dict:
-    """The trained decipherer (budget 'ci') on the observed requests."""
+    """The trained decipherer (budget 'ci') on the observed requests (``guess``: its per-token guesses)."""
     from aloepri.attacks.base import Budget
     from aloepri.attacks.decipher import SDAConfig, build_training_set, decipher, train_decipherer
 
@@ -194,6 +194,7 @@ def run_sda(tokenizer, stream: Stream, sl: slice, prior: np.ndarray, perm: np.nd
     model, loss = train_decipherer(train, cfg, len(pool) + 1, seed)
     guess = np.concatenate([np.asarray(g) for g in decipher(model, [r.tolist() for r in reqs], cfg, pool)])
     out = recovery_report(tokenizer, stream.ids[sl], guess, stream.pii[sl], stream.template[sl])
+    out["guess"] = guess
     out["sda"] = {"steps": cfg.steps, "episodes": cfg.episodes, "prior_tokens": int(len(prior)),
                   "pool": int(len(pool)), "final_train_loss": loss}
     return out
@@ -279,6 +280,7 @@ def run(s: Settings, store: ResultStore) -> None:
         sl = observed_prefix(stream, v)
         t1 = time.perf_counter()
         res = (run_tfma if a == "tfma" else run_sda)(tok, stream, sl, priors_cache[p], perm, s.seed)
+        res.pop("guess", None)  # per-token guesses: the report above is what is kept
         res.update({"attack": a, "prior": p, "prior_tokens": int(len(priors_cache[p])), "volume_requested": v,
                     "requests_observed": int(np.searchsorted(stream.request_ends, sl.stop) + 1),
                     "seconds": round(time.perf_counter() - t1, 1), "seed": s.seed,
