@@ -67,10 +67,10 @@ def run(s: Settings, store: ResultStore) -> None:
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
     # the paper's own context attack (SDA, budget ci) on the same streams, where the controls are
     keys += [f"sda/{ref}/{v}" for ref in ("public", "same-distribution") for v in s.controls_at]
-    # small volumes first, and at each volume the slow public-model entries last, so that a stopped run already
-    # holds the lower half of every curve
+    # the slow public-model entries after all others, small volumes first, so that a stopped run already holds
+    # the model-free curves whole
     todo = sorted((k for k in keys if not store.has(k)),
-                  key=lambda k: (int(k.rsplit("/", 1)[1]), "public-model" in k))
+                  key=lambda k: ("public-model" in k, int(k.rsplit("/", 1)[1])))
     if not todo:
         return
     torch.set_num_threads(s.threads)
