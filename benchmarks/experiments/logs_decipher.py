@@ -9,7 +9,8 @@ Attack: ``aloepri.attacks.stream_decipher.decipher_stream`` (template anchors, f
 decipherment and simulated annealing on a bigram model of the reference text). Observers:
 
 - ``no-model``: what a model-free decipherer reads;
-- ``public-model``: the same, plus the public LM (restarts and an LM-refined mapping, the one whose deciphered
+- ``no-model-best4``: the same, keeping the likeliest of four annealing runs under its own bigram model;
+- ``public-model``: the same as ``no-model``, plus the public LM (restarts and an LM-refined mapping, the one whose deciphered
   stream the LM finds most likely is kept: no key involved in the choice).
 
 References (the observer's text): ``public`` = fortunes + debian-reference (Debian packages; general English and
@@ -110,6 +111,8 @@ def run(s: Settings, store: ResultStore) -> None:
             guess = np.random.default_rng(s.seed + 7).permutation(len(perm))[np.concatenate(observed)]
         else:
             ref_name, observer = (("victim", "no-model") if parts[0] == "control" else (parts[0], parts[1]))
+            # 'no-model-best4': four annealing runs, the one its bigram model finds likeliest kept
+            restarts = 3 if observer == "no-model-best4" else (1 if observer == "public-model" else 0)
             ref = truth_reqs if ref_name == "victim" else reference(ref_name)
             if observer == "public-model" and lm is None:
                 from aloepri.runtime.inference import load_plain_model
@@ -127,7 +130,7 @@ def run(s: Settings, store: ResultStore) -> None:
 
             res = decipher_stream(observed, len(perm), ref, pre, post, lm=lm if observer == "public-model" else None,
                                   lm_tokens=s.lm_tokens, lm_judge_tokens=s.lm_judge_tokens,
-                                  max_candidates=s.max_candidates, seed=s.seed, progress=score)
+                                  max_candidates=s.max_candidates, restarts=restarts, seed=s.seed, progress=score)
             guess = res.obf_to_plain[np.concatenate(observed)]
             seen = np.unique(np.concatenate(observed))
             extra = {"trace": res.trace, "anchors": res.anchors,
@@ -225,6 +228,10 @@ CONFIGS = {
     # replications (another key, traffic order and annealing seed) for the spread of the model-free figures
     **{f"smollm2-seed{k}": Settings(volumes=(1_000, 10_000), runs=("public/no-model", "same-distribution/no-model"),
                                     controls_at=(), seed=k) for k in (1, 2)},
+    # the model-free observer keeping the likeliest of four annealing runs (three keys)
+    **{f"smollm2-best4{'' if k == 0 else f'-seed{k}'}": Settings(
+        volumes=(1_000, 10_000) if k else (1_000, 10_000, 100_000),
+        runs=("public/no-model-best4", "same-distribution/no-model-best4"), controls_at=(), seed=k) for k in (0, 1, 2)},
     "smoke": Settings(volumes=(300,), runs=("public/no-model",), controls_at=(300,), reference_tokens=50_000),
 }
 DOCS = ("docs/security.md",)

@@ -131,3 +131,18 @@ def test_audit_runs_the_log_reader_with_the_public_model():
     for name in ("stream-decipher", "stream-decipher-lm"):
         assert name in REGISTRY
         assert planned[name].observer == ID_STREAM and "ci" in planned[name].budgets
+
+
+def test_model_free_restarts_keep_the_likeliest_mapping(traffic):
+    from aloepri.attacks.stream_decipher import adjacency, stream_log_likelihood
+
+    chain, prefix, suffix, plain, observed, perm = traffic
+    reference = markov_text(chain, 100, 100, 2)
+    res = decipher_stream(observed, VOCAB, reference, prefix, suffix, restarts=2, anneal_steps=40, seed=3)
+    runs = [e for e in res.trace if "log_likelihood" in e]
+    assert len(runs) == 3
+    best = max(e["log_likelihood"] for e in runs)
+    stream = ObservedStream.of(observed)
+    final = stream_log_likelihood(bigram_model(reference, VOCAB), adjacency(stream)[0],
+                                  res.obf_to_plain[stream.cipher_ids])
+    assert final == pytest.approx(best, abs=0.1)

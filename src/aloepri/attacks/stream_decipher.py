@@ -337,6 +337,15 @@ def anneal_stage(model: BigramModel, left: sp.csr_matrix, scores: np.ndarray, co
     return cand[m]
 
 
+def stream_log_likelihood(model: BigramModel, left: sp.csr_matrix, plain_of_row: np.ndarray) -> float:
+    """Bigram log-likelihood of the observed stream deciphered by ``plain_of_row`` (``left[r, q]``: times q precedes
+    r): the model-free observer's key-free yardstick for choosing between mappings."""
+    pairs = left.tocoo()
+    cur, prev = plain_of_row[pairs.row], plain_of_row[pairs.col]
+    logp = model.base[cur] + np.asarray(model.lift[prev, cur]).ravel()
+    return float((pairs.data * logp).sum())
+
+
 @dataclass
 class DecipherResult:
     """The observer's guess and how it got there."""
@@ -363,7 +372,7 @@ def frequency_seed(stream: ObservedStream, reference_counts: np.ndarray, columns
 
 def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, reference: Sequence[Sequence[int]],
                     prefix: Sequence[int] = (), suffix: Sequence[int] = (), *,
-                    lm: LMScorer | None = None, lm_weights: Sequence[float] = (0.3,), restarts: int = 1,
+                    lm: LMScorer | None = None, lm_weights: Sequence[float] = (0.3,), restarts: int = 0,
                     lm_tokens: int = 20_000, lm_judge_tokens: int = 3_000,
                     lm_seconds: float = 600.0, max_candidates: int = 30_000,
                     temperatures: Sequence[float] = (16.0, 8.0, 4.0, 2.0, 1.0), anneal_steps: int = 300,
@@ -372,8 +381,8 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
     """Decipher the observed ``requests`` (cipher ids, one sequence per request) into plaintext ids.
 
     ``reference``: public plaintext token sequences (the observer's text). ``prefix`` / ``suffix``: the public chat
-    template's constant ids around a user message (anchors). ``lm``: the public model, judging ``restarts`` more
-    annealing runs and one LM-refined mapping per ``lm_weights`` entry on ``lm_judge_tokens`` tokens;
+    template's constant ids around a user message (anchors). ``restarts``: more annealing runs, the likeliest kept
+    (under the bigram model, or under ``lm`` when given). ``lm``: the public model, judging those and one LM-refined mapping per ``lm_weights`` entry on ``lm_judge_tokens`` tokens;
     ``lm_tokens`` / ``lm_seconds``: what it reads to refine (requests sampled until the token budget; reading
     stops at the time budget). ``max_candidates``: plaintext tokens considered (most frequent in the reference first, anchors
     always). ``progress(entry, obf_to_plain)`` may score an iteration (the caller holds the key) and returns
@@ -427,6 +436,19 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
         plain_of_row = anneal_stage(model, left, scores, columns, plain_of_row, fixed, counts, total,
                                     anneal_steps * len(counts), anneal_candidates, seed)
         record({"stage": "annealing", "steps": anneal_steps * len(counts)})
+        if lm is None and restarts:
+            # more annealing runs; the observer keeps the mapping under which its own bigram model finds the stream
+            # likeliest (no key: measured to pick the better runs, docs/security.md)
+            best_ll = stream_log_likelihood(model, left, plain_of_row)
+            trace[-1]["log_likelihood"] = round(best_ll, 1)
+            for i in range(restarts):
+                cand = anneal_stage(model, left, scores, columns, start_of_anneal, fixed, counts, total,
+                                    anneal_steps * len(counts), anneal_candidates, seed + 100 + i)
+                ll = stream_log_likelihood(model, left, cand)
+                kept = ll > best_ll
+                if kept:
+                    best_ll, plain_of_row = ll, cand
+                record({"stage": f"restart seed {seed + 100 + i}", "log_likelihood": round(ll, 1), "kept": kept})
     if lm is not None:
         order = np.random.default_rng(seed).permutation(len(requests))
         lengths = np.array([len(r) for r in stream.rows])
@@ -500,13 +522,13 @@ def run_stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget,
     judge = int(max(1_000, 3_000 * min(1.0, budget.scale * 4)))
     lm = LMScorer(target.plain_model, batch=4, device=target.device) if with_lm else None
     res = decipher_stream(requests, vocab, reference, pre, post, lm=lm, lm_tokens=lm_tokens, lm_judge_tokens=judge,
-                          seed=seed)
+                          restarts=1 if with_lm else 3, seed=seed)
     metrics = score_mapping(target, data, res.obf_to_plain, text_metrics=True)
     observed = int(sum(len(r) for r in requests))
     metrics.update({"tokens_observed": observed, "requests_observed": len(requests), "anchors": res.anchors,
                     "trace": res.trace})
     info = {"budget": budget.name, "reference": "fortunes + debian-reference", "reference_tokens": ref_tokens,
-            "anneal_steps_per_id": 300, "seed": seed, "tokens_observed": observed}
+            "anneal_steps_per_id": 300, "restarts": 1 if with_lm else 3, "seed": seed, "tokens_observed": observed}
     if with_lm:
         info.update({"lm_tokens": lm_tokens, "lm_judge_tokens": judge})
     uses = (f"the logs: {observed} obfuscated ids in {len(requests)} requests; the public tokenizer and chat template; "
