@@ -438,7 +438,7 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
         record({"stage": "annealing", "steps": anneal_steps * len(counts)})
         if lm is None and restarts:
             # more annealing runs; the observer keeps the mapping under which its own bigram model finds the stream
-            # likeliest (no key: measured to pick the better runs, docs/security.md)
+            # likeliest (no key). Measured: the likeliest is not reliably the most accurate (docs/security.md)
             best_ll = stream_log_likelihood(model, left, plain_of_row)
             trace[-1]["log_likelihood"] = round(best_ll, 1)
             for i in range(restarts):
@@ -522,13 +522,13 @@ def run_stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget,
     judge = int(max(1_000, 3_000 * min(1.0, budget.scale * 4)))
     lm = LMScorer(target.plain_model, batch=4, device=target.device) if with_lm else None
     res = decipher_stream(requests, vocab, reference, pre, post, lm=lm, lm_tokens=lm_tokens, lm_judge_tokens=judge,
-                          restarts=1 if with_lm else 3, seed=seed)
+                          restarts=1 if with_lm else 0, seed=seed)
     metrics = score_mapping(target, data, res.obf_to_plain, text_metrics=True)
     observed = int(sum(len(r) for r in requests))
     metrics.update({"tokens_observed": observed, "requests_observed": len(requests), "anchors": res.anchors,
                     "trace": res.trace})
     info = {"budget": budget.name, "reference": "fortunes + debian-reference", "reference_tokens": ref_tokens,
-            "anneal_steps_per_id": 300, "restarts": 1 if with_lm else 3, "seed": seed, "tokens_observed": observed}
+            "anneal_steps_per_id": 300, "restarts": 1 if with_lm else 0, "seed": seed, "tokens_observed": observed}
     if with_lm:
         info.update({"lm_tokens": lm_tokens, "lm_judge_tokens": judge})
     uses = (f"the logs: {observed} obfuscated ids in {len(requests)} requests; the public tokenizer and chat template; "
