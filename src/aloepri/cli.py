@@ -74,11 +74,13 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .eval.fidelity import builtin_prompt_ids, compare
+    from .eval.fidelity import ModelPair, builtin_prompt_ids, fidelity_of, measure_texts, record_scope
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
     from .models import resolve_model
+    from .progress import Progress
     from .storage.devices import resolve_device
+    from .storage.results import ResultStore
 
     device = resolve_device(a.device)
     src = resolve_model(a.src)
@@ -89,8 +91,11 @@ def cmd_verify(a: argparse.Namespace) -> int:
     plain = load_plain_model(src, device=device)
     obf = load_obfuscated_model(a.out, device=device)
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
-    fid = compare(plain, obf, key, prompts, greedy_tokens=a.greedy_tokens, device=device)
-    print(json.dumps(fid.to_dict(), indent=2))
+    store = ResultStore(a.results) if a.results else None
+    with Progress(len(prompts), "verify", unit="prompt", enabled=not a.quiet) as bar:
+        records = measure_texts(ModelPair(plain, obf, key, device), prompts, a.greedy_tokens, progress=bar, store=store,
+                                scope=record_scope(src, a.out, key, device))
+    print(json.dumps(fidelity_of(records, a.greedy_tokens).to_dict(), indent=2))
     return 0
 
 
@@ -219,6 +224,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--no-tokenizer", action="store_true", help="use random ids instead of chat prompts")
     p.add_argument("--prompts", type=int, default=None, help="number of built-in prompts (default all 20)")
     p.add_argument("--greedy-tokens", type=int, default=24)
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="keep each prompt's measurement in this JSON file as it is made; a rerun with the same file "
+                        "skips the prompts already measured")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_option(p)
     p.set_defaults(func=cmd_verify)
 

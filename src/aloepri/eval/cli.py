@@ -49,8 +49,8 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
 
     device = resolve_device(a.device)
     torch.set_num_threads(a.threads)
-    report = load_and_report(resolve_model(a.src), a.out, a.key, device=device, prompts=a.prompts,
-                             greedy_tokens=a.greedy_tokens,
+    report = load_and_report(resolve_model(a.src), a.out, a.key, device=device, progress=not a.quiet,
+                             results=a.results, prompts=a.prompts, greedy_tokens=a.greedy_tokens,
                              corpus=a.corpus, corpus_texts_n=a.texts, max_tokens=a.max_tokens)
     print(json.dumps(report, indent=2))
     return 0
@@ -106,6 +106,10 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--prompts", type=int, default=None, help="built-in prompts (default all 20)")
     p.add_argument("--greedy-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="keep each prompt's and text's measurement in this JSON file as it is made; a rerun with "
+                        "the same file skips what was already measured")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_option(p)
     p.set_defaults(func=cmd_eval_fidelity)
 
