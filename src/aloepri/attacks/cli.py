@@ -28,7 +28,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
     from . import UNAVAILABLE
     from .base import AttackTarget, Budget
     from ..storage.devices import describe_device
-    from .report import resumable_results, resolve_names, run_ablation, run_attacks, write_ablation, write_report
+    from .report import resolve_names, run_ablation, run_suite, write_ablation
 
     torch.set_num_threads(max(1, args.threads))
     for mod, why in UNAVAILABLE.items():
@@ -62,17 +62,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
         # what the figures depend on: a report in --report-dir with the same run is resumed
         context["run"] = {k: context[k] for k in ("plain", "obfuscated", "budget", "prompts", "seed", "device",
                                                    "batch")} | {"model_fingerprint": target.key.model_fingerprint}
-        done = resumable_results(out, context)
-        if done:
-            print(f"resuming: {len(done)} attack(s) already in {out} ({', '.join(sorted(done))}) are kept")
-
-        def save(so_far: list) -> None:  # after every attack: a stopped run keeps what it measured
-            ran = {r.attack for r in so_far}
-            write_report(so_far, out, context, pending=[n for n in names if n not in ran])
-
-        results = run_attacks(target, data, names, budget, args.seed, on_result=save, done=done,
-                              progress=not args.quiet)
-        j, m = write_report(results, out, context)
+        j, m = run_suite(target, data, names, budget, out, context, args.seed, progress=not args.quiet)
     print(f"wrote {j} and {m}")
     return 0
 

@@ -97,6 +97,24 @@ def resumable_results(out_dir: str | Path, context: dict[str, Any], stem: str = 
     return kept
 
 
+def run_suite(target: AttackTarget, data: PrivateData, names: Sequence[str], budget: Budget | str,
+              out_dir: str | Path, context: dict[str, Any], seed: int = 0, progress: bool = True,
+              log: Callable[[str], None] | None = print) -> tuple[Path, Path]:
+    """``run_attacks`` with the report in ``out_dir`` rewritten after every attack (a stopped run keeps what it
+    measured, and the report lists the attacks not run yet), resumed from a report there whose
+    ``context["run"]`` (what the figures depend on) is the same. Returns the report's paths."""
+    done = resumable_results(out_dir, context)
+    if done and log:
+        log(f"resuming: {len(done)} attack(s) already in {out_dir} are kept ({', '.join(sorted(done))})")
+
+    def save(so_far: list[AttackResult]) -> None:
+        ran = {r.attack for r in so_far}
+        write_report(so_far, out_dir, context, pending=[n for n in names if n not in ran])
+
+    results = run_attacks(target, data, names, budget, seed, log=log, on_result=save, done=done, progress=progress)
+    return write_report(results, out_dir, context)
+
+
 # --- formatting ------------------------------------------------------------------------------------------------
 
 
