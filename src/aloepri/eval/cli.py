@@ -59,7 +59,7 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
 def cmd_privacy_budget(a: argparse.Namespace) -> int:
     from ..obfuscation.params import resolve_params
     from ..runtime.perturb import sequence_epsilon
-    from .privacy import privacy_budget
+    from .privacy import explain, privacy_budget
 
     params = resolve_params(a.preset, a.preset_file, alpha_e=a.alpha_e, alpha_h=a.alpha_h)
     if a.eps1 is not None and a.eps_tok is not None:
@@ -72,7 +72,10 @@ def cmd_privacy_budget(a: argparse.Namespace) -> int:
             raise ValueError("--eps-tok needs --tokens (how many positions the client perturbs)")
         eps_1 = sequence_epsilon(a.eps_tok, a.tokens)
     b = privacy_budget(resolve_model(a.src), params.alpha_e, params.alpha_h, eps_1)
-    print(json.dumps({"alpha_e": params.alpha_e, "alpha_h": params.alpha_h, **b.to_dict()}, indent=2))
+    if a.json:
+        print(json.dumps({"alpha_e": params.alpha_e, "alpha_h": params.alpha_h, **b.to_dict()}, indent=2))
+    else:
+        print(explain(b, params.alpha_e, params.alpha_h))
     return 0
 
 
@@ -122,4 +125,5 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--eps1", type=float, default=None, help="online token-perturbation budget eps_1 (sequence)")
     p.add_argument("--eps-tok", type=float, default=None, help="per-token budget of aloepri.runtime.perturb")
     p.add_argument("--tokens", type=int, default=None, help="perturbed positions (with --eps-tok)")
+    p.add_argument("--json", action="store_true", help="the figures as JSON instead of the explanation in words")
     p.set_defaults(func=cmd_privacy_budget)
