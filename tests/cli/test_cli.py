@@ -127,3 +127,13 @@ def test_core_dependencies_pull_in_no_extra():
             continue
         todo += [name(r) for r in reqs if "extra ==" not in r]
     assert "torch" in seen and not seen & extras, sorted(seen & extras)
+
+
+def test_chat_is_greedy_by_default_and_says_so():
+    from aloepri.cli import build_parser
+
+    ap = build_parser("chat")
+    a = ap.parse_args(["chat", "--key", "k", "--server", "http://127.0.0.1:1"])
+    assert a.temperature == 0.0
+    chat = ap._subparsers._group_actions[0].choices["chat"]
+    assert "default 0: greedy" in " ".join(chat.format_help().split())
