@@ -112,8 +112,13 @@ def cmd_models(a: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
     for r in rows:
-        state = f"installed, {r.size_bytes / 1e6:.0f} MB, {r.path}" if r.installed else f"not installed ({r.install})"
-        print(f"{r.name:<11} {r.description}\n{'':<11} {state}")
+        if not r.installed:
+            state = f"not installed ({r.install})"
+        elif r.ready:
+            state = f"installed, {r.size_bytes / 1e6:.0f} MB, {r.path}"
+        else:
+            state = f"parts installed ({r.size_bytes / 1e6:.0f} MB); the model file {r.path} is built on first use"
+        print(f"{r.name:<11} {r.description}\n{'':<11} {state}" + (f"\n{'':<11} {r.note}" if r.note else ""))
     return 0
 
 
