@@ -108,6 +108,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from .storage.results import ResultStore
 
     device = resolve_device(a.device)
+    torch.set_num_threads(max(1, a.threads))
     src = resolve_model(a.src)
     key = load_key(a.key)
     check_key_matches(key, a.out)
@@ -257,6 +258,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--results", default=None, metavar="FILE",
                    help="keep each prompt's measurement in this JSON file as it is made; a rerun with the same file "
                         "skips the prompts already measured")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1, as eval, attack and audit: on a shared or busy machine more "
+                        "threads than free cores run several times slower)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_option(p)
     p.set_defaults(func=cmd_verify)

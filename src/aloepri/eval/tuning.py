@@ -213,10 +213,10 @@ def choose(results: Sequence[dict[str, Any]], criterion: Criterion) -> dict[str,
 
 
 def tune(evaluator: Evaluator, criterion: Criterion, candidates: Sequence[ObfuscationParams], store: ResultStore,
-         out_file: str | Path, seed: int = 1) -> dict[str, Any]:
+         out_file: str | Path, seed: int = 1, progress: bool = True) -> dict[str, Any]:
     """Evaluate the candidates (resumable), pick the most attack-resistant admissible one, write a preset file
     that ``aloepri obfuscate --preset-file`` takes. Raises ValueError when no candidate meets the budget."""
-    results = sweep(evaluator, candidates, store, seed=seed, label="tune")
+    results = sweep(evaluator, candidates, store, seed=seed, label="tune", progress=progress)
     best = choose(results, criterion)
     table = [{"params": params_summary(ObfuscationParams.from_dict(r["params"])),
               "top1": r["fidelity"]["top1_agreement"], "kl": r["fidelity"]["mean_kl"], "max_ttrsr": r["max_ttrsr"],
@@ -253,6 +253,8 @@ def add_tune_commands(sub) -> None:
     p.add_argument("--private-prompts", type=int, default=30, help="PII prompts the attacks try to recover")
     p.add_argument("--results", default=None, help="resumable results JSON (default: next to --out)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_tune)
 
 
@@ -261,6 +263,7 @@ def _cmd_tune(a) -> int:
 
     if a.max_kl is None and a.min_top1 is None:
         raise ValueError("give an accuracy budget: --max-kl and/or --min-top1")
+    torch.set_num_threads(max(1, a.threads))
     base = resolve_params(a.base_preset)
     if a.alpha_e:
         candidates = parse_candidates(base, a.alpha_e, a.alpha_h)
@@ -272,7 +275,7 @@ def _cmd_tune(a) -> int:
 
     ev = Evaluator(resolve_model(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
     store = ResultStore(a.results or Path(a.out).with_suffix(".results.json"))
-    preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed)
+    preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed, progress=not a.quiet)
     m = preset["measured"]
     print(json.dumps({"chosen": preset["params"], "top1": m["fidelity"]["top1_agreement"],
                       "mean_kl": m["fidelity"]["mean_kl"], "max_ttrsr": m["max_ttrsr"],
