@@ -3,13 +3,16 @@ loading models and tokenizers counted apart from the rest (the command's compute
 
     python -m benchmarks.lib.command_child OUT.json -- verify smollm2 DIR --key KEY ...
 
-OUT.json: {"argv", "exit_code", "seconds", "load_seconds", "loads": [[what, seconds], ...], "peak_rss_mib"}. A
-load nested in another (a tokenizer loaded by a model loader) counts once, in the outer one.
+OUT.json: {"argv", "exit_code", "seconds", "cpu_seconds", "load_seconds", "loads": [[what, seconds], ...],
+"peak_rss_mib"}. ``cpu_seconds`` (user + system, this process and its threads) is what a one-thread command would
+take on an idle core, where the wall time on a shared machine is not. A load nested in another (a tokenizer loaded
+by a model loader) counts once, in the outer one.
 """
 from __future__ import annotations
 
 import functools
 import json
+import resource
 import sys
 import time
 
@@ -44,12 +47,14 @@ def main() -> int:
     tokenizer.load_hf_tokenizer = timed(tokenizer.load_hf_tokenizer, "tokenizer")
     from aloepri.cli import main as aloepri_main
 
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     code = aloepri_main(argv)
     seconds = time.perf_counter() - t
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_seconds = end.ru_utime + end.ru_stime - cpu.ru_utime - cpu.ru_stime
     with open(out, "w") as f:
         json.dump({"argv": argv, "exit_code": code, "seconds": round(seconds, 1),
-                   "load_seconds": round(sum(s for _, s in loads), 1), "loads": loads,
+                   "cpu_seconds": round(cpu_seconds, 1), "load_seconds": round(sum(s for _, s in loads), 1), "loads": loads,
                    "peak_rss_mib": round(status_kib() / 1024)}, f, indent=2)
     return code
 

@@ -223,3 +223,4 @@ def test_command_child_splits_a_verify_into_loading_and_compute(tmp_path):
     r = json.loads(out.read_text())
     assert [what for what, _ in r["loads"]] == ["plaintext model", "obfuscated model"]
     assert 0 < r["load_seconds"] <= r["seconds"] and r["exit_code"] == 0 and r["peak_rss_mib"] > 0
+    assert r["cpu_seconds"] > 0
