@@ -223,7 +223,7 @@ def test_at_least_only_below_100_percent():
 def test_points_at_the_same_place_are_spread_and_shaped_apart():
     from aloepri.audit.html import MARKER_SHAPES, spread
 
-    assert spread([10.0, 10.0, 10.0, 200.0]) == [-12.0, 0.0, 12.0, 0.0]
+    assert spread([10.0, 10.0, 10.0, 200.0]) == [-14.0, 0.0, 14.0, 0.0]
     assert spread([10.0, 50.0]) == [0.0, 0.0]
     assert len(set(MARKER_SHAPES)) == 4
 

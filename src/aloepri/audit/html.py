@@ -77,7 +77,7 @@ def marker(shape: str, cx: float, cy: float, r: float, colour: str, body: str = 
     return el + body + end
 
 
-def spread(ys: Sequence[float], gap: float = 9.0, step: float = 12.0) -> list[float]:
+def spread(ys: Sequence[float], gap: float = 10.0, step: float = 14.0) -> list[float]:
     """Horizontal offsets (pixels) for points drawn at one x: points closer than ``gap`` vertically are placed
     side by side, centred on the x, instead of on top of each other."""
     order = sorted(range(len(ys)), key=lambda i: ys[i])
