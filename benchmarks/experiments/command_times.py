@@ -122,6 +122,9 @@ def report(store: ResultStore) -> str:
 SUMMARY = ("wall time of verify, eval fidelity, audit/attack --budget ci and tune on SmolLM2 (default preset), "
            "split into loading and compute, with the slowest steps and the load average")
 CONFIGS = {"smollm2": Settings(),
+           # the first run (run as `smollm2` at commit 11cec2a, before the child took CPU time; stopped during
+           # attack all): verify, eval fidelity, audit
+           "wall-only": Settings(commands=("verify", "eval_fidelity", "audit_ci", "attack_all_ci", "tune")),
            "quick": Settings(commands=("verify", "eval_fidelity")),
            "smoke": Settings(commands=("verify",))}
 DOCS = ("README.md",)
