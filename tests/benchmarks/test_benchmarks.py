@@ -203,3 +203,24 @@ def test_scale_and_key_children_run_on_a_tiny_model(tmp_path):
     k = key_setup._run_child(REPO / "src", 256, 1, "-", "-")
     assert {"B", "B_inv", "Z", "P", "Q", "perm", "kappa"} <= set(k["sha256_16"]) and k["key_seconds"] > 0
     assert k["sha256_16"] == key_setup._run_child(REPO / "src", 256, 1, "1", "-")["sha256_16"]  # one worker: same bits
+
+
+def test_command_child_splits_a_verify_into_loading_and_compute(tmp_path):
+    """The command_times child runs the real CLI and times its loaders: a tiny model's verify has both models'
+    loads counted, and no more loading than wall time."""
+    import aloepri
+    from aloepri.testing.tiny import build_tiny
+
+    src = build_tiny("llama", tmp_path / "tiny")
+    aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", aloepri.resolve_params("default"), seed=3,
+                      allow_weak_seed=True, progress=False)
+    out = tmp_path / "child.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(out), "--", "verify", str(src),
+                           str(tmp_path / "out"), "--key", str(tmp_path / "key.json"), "--no-tokenizer", "--prompts",
+                           "2", "--greedy-tokens", "2", "--quiet"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert [what for what, _ in r["loads"]] == ["plaintext model", "obfuscated model"]
+    assert 0 < r["load_seconds"] <= r["seconds"] and r["exit_code"] == 0 and r["peak_rss_mib"] > 0
+    assert r["cpu_seconds"] > 0

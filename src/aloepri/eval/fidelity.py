@@ -14,8 +14,10 @@ Python version, which is recorded with every result.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import json
 import math
 import platform
 from dataclasses import asdict, dataclass
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 
 from ..corpora import CorpusNotInstalledError, corpus
 from ..keyfile import KeyFile
+from ..progress import Progress
+from ..storage.results import ResultStore
 from ..storage.devices import model_device, resolve_device
 
 # Built-in prompts for `aloepri verify` and the preset benchmark: varied tasks, short enough for CPU.
@@ -77,49 +81,108 @@ def place_models(device, *models) -> "torch.device":
     return dev
 
 
-@torch.no_grad()
+class ModelPair:
+    """Two models on one device, and the key's maps between their ids (identity when ``key`` is None: the second
+    model reads plaintext ids too)."""
+
+    def __init__(self, plain_model, obf_model, key: KeyFile | None, device=None):
+        self.plain, self.obf, self.key = plain_model, obf_model, key
+        self.dev = place_models(device, plain_model, obf_model)
+        self.encode = key.encode_ids if key is not None else list
+        self.decode = key.decode_ids if key is not None else list
+        self.perm = torch.from_numpy(key.permutation).to(self.dev) if key is not None else None
+        eos = key.special_tokens.get("eos_token_id") if key is not None else plain_model.generation_config.eos_token_id
+        self.eos_plain = [eos] if isinstance(eos, int) else eos
+
+    @torch.no_grad()
+    def measure(self, ids: Sequence[int], greedy_tokens: int, nll: bool = False) -> dict:
+        """One text's sums: agreeing positions, KL, max logit error, and (``nll``) both models' next-token NLL,
+        from one forward pass of each model; with ``greedy_tokens``, whether the greedy continuations match. The
+        metrics are taken in float64 (element-wise work on one text's logits, cheap even where float64 matrix
+        products are slow)."""
+        x = torch.tensor([list(ids)], device=self.dev)
+        xo = torch.tensor([self.encode(list(ids))], device=self.dev)
+        lp = self.plain(x).logits[0].double()
+        lo = self.obf(xo).logits[0].double()
+        if self.perm is not None:
+            lo = lo[:, self.perm]  # column i = obfuscated logit of plain token i
+        rec: dict = {}
+        if nll:
+            target = x[0, 1:]
+            rec.update(nll_plain=float(F.cross_entropy(lp[:-1], target, reduction="sum")),
+                       nll_obfuscated=float(F.cross_entropy(lo[:-1], target, reduction="sum")),
+                       nll_tokens=target.numel())
+        n = min(lp.shape[-1], lo.shape[-1])
+        lp, lo = lp[:, :n], lo[:, :n]
+        rec.update(agree=int((lp.argmax(-1) == lo.argmax(-1)).sum()),
+                   kl=float(F.kl_div(F.log_softmax(lo, -1), F.log_softmax(lp, -1), log_target=True, reduction="sum")),
+                   max_err=float((lp - lo).abs().max()), positions=lp.shape[0])
+        if greedy_tokens:
+            eos = self.eos_plain
+            gp = self.plain.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens,
+                                     do_sample=False, eos_token_id=eos, pad_token_id=(eos or [0])[0])[0, x.shape[1]:]
+            eo = self.encode(eos) if eos else None
+            go = self.obf.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens,
+                                   do_sample=False, eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:]
+            rec["greedy_same"] = int(self.decode(go.tolist()) == gp.tolist())
+        return rec
+
+
+def measure_texts(pair: ModelPair, ids_list: Sequence[Sequence[int]], greedy_tokens: int, nll: bool = False,
+                  section: str = "prompts", progress: Progress | None = None,
+                  store: ResultStore | None = None, scope: str = "") -> list[dict]:
+    """``ModelPair.measure`` of every text, in order. ``progress`` advances once per text; ``store`` keeps every
+    text's record as soon as it is measured and hands back the records an earlier run of the same ``scope``
+    (the models and settings, see ``record_scope``) already measured, so a stopped run resumes."""
+    records = []
+    for ids in ids_list:
+        key = None
+        if store is not None:
+            key = hashlib.sha256(json.dumps([scope, section, list(ids), greedy_tokens, nll]).encode()).hexdigest()[:20]
+            kept = store.load().get(key)
+            if kept is not None and kept.get("status") == "done":
+                records.append(kept["record"])
+                if progress is not None:
+                    progress.skip()
+                continue
+        rec = pair.measure(ids, greedy_tokens, nll)
+        if store is not None:
+            store.put(key, {"section": section, "record": rec})
+        records.append(rec)
+        if progress is not None:
+            progress.advance()
+    return records
+
+
+def record_scope(src: str | Path, server_dir: str | Path, key: KeyFile, device) -> str:
+    """What a stored fidelity record depends on besides its text: the two models and where they ran."""
+    return json.dumps([str(src), str(server_dir), key.model_fingerprint, str(device)])
+
+
+def fidelity_of(records: Sequence[dict], greedy_tokens: int) -> "Fidelity":
+    n_pos = sum(r["positions"] for r in records)
+    return Fidelity(sum(r["agree"] for r in records) / n_pos, sum(r["kl"] for r in records) / n_pos,
+                    max(r["max_err"] for r in records), sum(r.get("greedy_same", 0) for r in records) /
+                    max(1, len(records)), n_pos, len(records), greedy_tokens)
+
+
+def perplexity_of(records: Sequence[dict]) -> "Perplexity":
+    n = sum(r["nll_tokens"] for r in records)
+    if n == 0:
+        raise ValueError("no text with at least 2 tokens")
+    nll_p, nll_o = sum(r["nll_plain"] for r in records), sum(r["nll_obfuscated"] for r in records)
+    return Perplexity(math.exp(nll_p / n), math.exp(nll_o / n), n, len(records), nll_p / n, nll_o / n)
+
+
 def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[Sequence[int]],
-            greedy_tokens: int = 24, device=None) -> Fidelity:
+            greedy_tokens: int = 24, device=None, progress: Progress | None = None) -> Fidelity:
     """``obf_model`` against ``plain_model`` on the same plaintext prompts. ``key=None``: the second model takes
     plaintext ids too (a plaintext model in another dtype or engine, e.g. the float32 floor of a float64 one).
 
     ``device`` ('cpu', 'cuda', ...): both models are moved there (in place) and run there; None keeps them where
-    they are. The metrics are taken in float64 on that device (element-wise work on one prompt's logits, cheap
-    even where float64 matrix products are slow) and returned as Python numbers."""
-    dev = place_models(device, plain_model, obf_model)
-    encode = key.encode_ids if key is not None else list
-    decode = key.decode_ids if key is not None else list
-    perm = torch.from_numpy(key.permutation).to(dev) if key is not None else None
-    agree = 0
-    kl_sum = torch.zeros((), dtype=torch.float64, device=dev)
-    max_err = torch.zeros((), dtype=torch.float64, device=dev)
-    n_pos = 0
-    greedy_same = 0
-    eos_plain = (key.special_tokens.get("eos_token_id") if key is not None
-                 else plain_model.generation_config.eos_token_id)
-    eos_plain = [eos_plain] if isinstance(eos_plain, int) else eos_plain
-    for ids in prompts_ids:
-        x = torch.tensor([list(ids)], device=dev)
-        xo = torch.tensor([encode(list(ids))], device=dev)
-        lp = plain_model(x).logits[0].double()
-        lo = obf_model(xo).logits[0].double()
-        if perm is not None:
-            lo = lo[:, perm]  # column i = obfuscated logit of plain token i
-        n = min(lp.shape[-1], lo.shape[-1])
-        lp, lo = lp[:, :n], lo[:, :n]
-        agree += int((lp.argmax(-1) == lo.argmax(-1)).sum())
-        kl_sum += F.kl_div(F.log_softmax(lo, -1), F.log_softmax(lp, -1), log_target=True, reduction="sum")
-        max_err = torch.maximum(max_err, (lp - lo).abs().max())
-        n_pos += lp.shape[0]
-        if greedy_tokens:
-            gp = plain_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
-                                      eos_token_id=eos_plain, pad_token_id=(eos_plain or [0])[0])[0, x.shape[1]:].tolist()
-            eo = encode(eos_plain) if eos_plain else None
-            go = obf_model.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens, do_sample=False,
-                                    eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:].tolist()
-            greedy_same += int(decode(go) == gp)
-    return Fidelity(agree / n_pos, float(kl_sum) / n_pos, float(max_err), greedy_same / max(1, len(prompts_ids)),
-                    n_pos, len(prompts_ids), greedy_tokens)
+    they are. Returned as Python numbers. ``progress`` advances once per prompt."""
+    records = measure_texts(ModelPair(plain_model, obf_model, key, device), prompts_ids, greedy_tokens, progress=progress)
+    return fidelity_of(records, greedy_tokens)
 
 
 def builtin_prompt_ids(tokenizer, vocab_size: int, n: int | None = None, seed: int = 0) -> list[list[int]]:
@@ -215,53 +278,51 @@ class Perplexity:
         return {**asdict(self), "relative_increase": self.relative_increase}
 
 
-@torch.no_grad()
 def perplexity_pair(plain_model, obf_model, key: KeyFile, ids_list: Sequence[Sequence[int]],
                     device=None) -> Perplexity:
     """Perplexity of both models on the same plaintext ids (obfuscated logits mapped back by the key).
     ``device``: as for ``compare`` (models moved there in place; None = where they are)."""
-    dev = place_models(device, plain_model, obf_model)
-    perm = torch.from_numpy(key.permutation).to(dev)
-    nll_p = torch.zeros((), dtype=torch.float64, device=dev)
-    nll_o = torch.zeros((), dtype=torch.float64, device=dev)
-    n = 0
-    for ids in ids_list:
-        x = torch.tensor([list(ids)], device=dev)
-        lp = plain_model(x).logits[0, :-1].double()
-        lo = obf_model(torch.tensor([key.encode_ids(list(ids))], device=dev)).logits[0, :-1].double()[:, perm]
-        target = x[0, 1:]
-        nll_p += F.cross_entropy(lp, target, reduction="sum")
-        nll_o += F.cross_entropy(lo, target, reduction="sum")
-        n += target.numel()
-    if n == 0:
-        raise ValueError("no text with at least 2 tokens")
-    nll_p, nll_o = float(nll_p), float(nll_o)
-    return Perplexity(math.exp(nll_p / n), math.exp(nll_o / n), n, len(ids_list), nll_p / n, nll_o / n)
+    return perplexity_of(measure_texts(ModelPair(plain_model, obf_model, key, device), ids_list, 0, nll=True))
+
+
+def fidelity_steps(prompts: int | None, tokenizer, corpus_texts_n: int) -> int:
+    """How many texts ``fidelity_report`` measures (for a progress bar's total): prompts, then corpus texts."""
+    n_prompts = len(BUILTIN_PROMPTS[:prompts] if prompts else BUILTIN_PROMPTS)
+    return n_prompts + (corpus_texts_n if tokenizer is not None and corpus_texts_n else 0)
 
 
 def fidelity_report(plain_model, obf_model, key: KeyFile, tokenizer, prompts: int | None = None,
                     greedy_tokens: int = 24, corpus: str | None = None, corpus_texts_n: int = 32,
-                    max_tokens: int = 128, device=None) -> dict:
-    """Everything at once: prompt fidelity (built-in chat prompts), corpus top-1/KL and perplexity, on ``device``
-    (models moved there in place; None = where they are)."""
-    dev = place_models(device, plain_model, obf_model)
+                    max_tokens: int = 128, device=None, progress: Progress | None = None,
+                    store: ResultStore | None = None, scope: str = "") -> dict:
+    """Everything at once: prompt fidelity (built-in chat prompts), corpus top-1/KL and perplexity (one forward
+    pass of each model per corpus text), on ``device`` (models moved there in place; None = where they are).
+    ``progress`` and ``store``: as for ``measure_texts``."""
+    pair = ModelPair(plain_model, obf_model, key, device)
     prompt_ids = builtin_prompt_ids(tokenizer, key.vocab_size, prompts)
-    fid: Fidelity = compare(plain_model, obf_model, key, prompt_ids, greedy_tokens=greedy_tokens, device=dev)
+    kept = dict(progress=progress, store=store, scope=scope)
+    fid = fidelity_of(measure_texts(pair, prompt_ids, greedy_tokens, **kept), greedy_tokens)
     report = {"prompts": fid.to_dict()}
-    if tokenizer is not None:
+    if tokenizer is not None and corpus_texts_n:
         texts, prov = corpus_texts(corpus, corpus_texts_n)
         ids = corpus_ids(tokenizer, texts, max_tokens)
-        teacher_forced = compare(plain_model, obf_model, key, ids, greedy_tokens=0, device=dev).to_dict()
+        if progress is not None and len(ids) < corpus_texts_n:  # short or missing texts: fewer steps than planned
+            progress.set_total(progress.total - (corpus_texts_n - len(ids)))
+        records = measure_texts(pair, ids, 0, nll=True, section="corpus", **kept)
+        teacher_forced = fidelity_of(records, 0).to_dict()
         for k in ("greedy_match_rate", "greedy_tokens"):  # no greedy continuation is run on corpus text
             teacher_forced.pop(k)
         report["corpus"] = {"provenance": prov, "max_tokens": max_tokens, **teacher_forced,
-                            "perplexity": perplexity_pair(plain_model, obf_model, key, ids, device=dev).to_dict()}
+                            "perplexity": perplexity_of(records).to_dict()}
     return report
 
 
-def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, device=None, **kwargs) -> dict:
+def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, device=None,
+                    progress: bool = False, results: str | Path | None = None, **kwargs) -> dict:
     """``fidelity_report`` of the obfuscated directory against its source, both loaded on ``device`` (default
-    cpu; an invalid or absent device is refused before anything is loaded)."""
+    cpu; an invalid or absent device is refused before anything is loaded). ``progress``: a bar per text on
+    stderr; ``results``: a JSON file that keeps every text's measurement as it is made, so a rerun with the same
+    file resumes (aloepri.storage.results)."""
     from ..runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from ..keyfile import check_key_matches, load_key
 
@@ -271,8 +332,13 @@ def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Pat
     tok = load_tokenizer(key, src if Path(src).is_file() else None)
     plain = load_plain_model(src, device=dev)
     obf = load_obfuscated_model(server_dir, device=dev)
-    return fidelity_report(plain, obf, key, tok, device=dev, **kwargs)
+    store = ResultStore(results) if results is not None else None
+    steps = fidelity_steps(kwargs.get("prompts"), tok, kwargs.get("corpus_texts_n", 32))
+    with Progress(steps, "fidelity", unit="text", enabled=progress) as bar:
+        return fidelity_report(plain, obf, key, tok, device=dev, progress=bar, store=store,
+                               scope=record_scope(src, server_dir, key, dev), **kwargs)
 
 
 __all__ = ["BUILTIN_PROMPTS", "Fidelity", "Perplexity", "builtin_prompt_ids", "compare", "corpus_ids", "corpus_texts",
-           "fidelity_report", "load_and_report", "perplexity_pair", "stdlib_docstring_paragraphs"]
+           "fidelity_report", "fidelity_steps", "load_and_report", "measure_texts", "ModelPair", "perplexity_pair",
+           "record_scope", "stdlib_docstring_paragraphs"]

@@ -1,6 +1,8 @@
 """Private inference in process: plaintext in, plaintext out; the model only ever sees permuted ids."""
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,6 +22,20 @@ def load_plain_model(src: str | Path, dtype: torch.dtype = torch.float32, device
 
     model = AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype)
     return model.to(resolve_device(device)).eval()
+
+
+def forward_cached(model, input_ids: torch.Tensor, cache: Any = None) -> tuple[Any, Any]:
+    """One forward pass that continues ``cache`` (None: starts one); returns (output, the cache to continue from).
+    transformers 5.2x renamed the argument past_key_values to cache and warns (FutureWarning) on the old name on
+    every call; older releases know only past_key_values. The name is read from the model's own signature."""
+    name = _cache_argument(type(model))
+    out = model(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}))
+    return out, getattr(out, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None):
