@@ -74,7 +74,7 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .eval.fidelity import builtin_prompt_ids, compare
+    from .eval.fidelity import PlainReference, builtin_prompt_ids, compare_with_reference, release_memory
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
     from .models import resolve_model
@@ -86,10 +86,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
     check_key_matches(key, a.out)
     torch.manual_seed(0)
     tok = load_tokenizer(key, a.tokenizer or (src if src.is_file() else None)) if not a.no_tokenizer else None
-    plain = load_plain_model(src, device=device)
-    obf = load_obfuscated_model(a.out, device=device)
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
-    fid = compare(plain, obf, key, prompts, greedy_tokens=a.greedy_tokens, device=device)
+    # one model in memory at a time: the plaintext model's outputs are taken, then it is freed
+    reference = PlainReference(load_plain_model(src, device=device), prompts, a.greedy_tokens,
+                               key.special_tokens.get("eos_token_id"), device)
+    release_memory()
+    fid = compare_with_reference(reference, load_obfuscated_model(a.out, device=device), key, device)
     print(json.dumps(fid.to_dict(), indent=2))
     return 0
 

@@ -39,6 +39,31 @@ def test_overrides_change_the_artifact(tiny_dir, tmp_path, capsys):
     assert ka["vocab_permutation"] == kb["vocab_permutation"]  # same seed, same permutation; noise differs
 
 
+def test_verify_holds_one_model_at_a_time_with_the_same_numbers(tiny_dir, tmp_path, capsys, monkeypatch):
+    """verify frees the plaintext model before it loads the obfuscated one; its numbers equal compare()'s with
+    both models in memory (a noisy preset, so that they are not all 1 and 0)."""
+    import torch
+
+    from aloepri import load_key
+    from aloepri.eval.fidelity import builtin_prompt_ids, compare
+    from aloepri.runtime.inference import load_obfuscated_model, load_plain_model
+    from cli_helpers import one_model_at_a_time
+
+    out, key_path = tmp_path / "server", tmp_path / "client.key"
+    assert main(["obfuscate", str(tiny_dir("qwen2")), str(out), "--key-out", str(key_path), "--preset", "noisy",
+                 "--seed", "5", "--allow-weak-seed", "--quiet"]) == 0
+    capsys.readouterr()
+    key = load_key(key_path)
+    torch.manual_seed(0)
+    both = compare(load_plain_model(tiny_dir("qwen2")), load_obfuscated_model(out), key,
+                   builtin_prompt_ids(None, key.vocab_size, 4), greedy_tokens=6).to_dict()
+    one_model_at_a_time(monkeypatch)
+    assert main(["verify", str(tiny_dir("qwen2")), str(out), "--key", str(key_path), "--no-tokenizer",
+                 "--prompts", "4", "--greedy-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out) == both
+    assert 0 < both["mean_kl"] and both["top1_agreement"] < 1
+
+
 def test_models_lists_the_bundled_models(capsys):
     assert main(["models", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}

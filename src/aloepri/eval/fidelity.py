@@ -14,10 +14,13 @@ Python version, which is recorded with every result.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib
 import inspect
 import math
 import platform
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -77,6 +80,44 @@ def place_models(device, *models) -> "torch.device":
     return dev
 
 
+class PlainReference:
+    """The plaintext model's logits on a list of id sequences (and its greedy continuation of each), taken once so
+    that the plaintext model can be freed before the obfuscated one loads: a comparison then holds one model at a
+    time. The logits keep the model's own dtype and every metric is computed from them exactly as from a live
+    model, so the results are the same as with both models in memory.
+
+    ``spill_dir``: keep the logits there (one file per sequence, read back one at a time) rather than in memory;
+    a corpus of 32 x 128 tokens over a 152k vocabulary is 2.5 GB of float32 logits."""
+
+    @torch.no_grad()
+    def __init__(self, plain_model, ids_list: Sequence[Sequence[int]], greedy_tokens: int = 0,
+                 eos: int | list[int] | None = None, device=None, spill_dir: str | Path | None = None):
+        dev = place_models(device, plain_model)
+        self.eos: list[int] | None = [eos] if isinstance(eos, int) else eos
+        self.ids = [list(ids) for ids in ids_list]
+        self.greedy_tokens = greedy_tokens
+        self.greedy: list[list[int]] = []
+        self._spill = Path(spill_dir) if spill_dir is not None else None
+        self._logits: list[torch.Tensor] = []
+        for i, ids in enumerate(self.ids):
+            x = torch.tensor([ids], device=dev)
+            logits = plain_model(x).logits[0].cpu()
+            if self._spill is None:
+                self._logits.append(logits)
+            else:
+                torch.save(logits, self._spill / f"logits-{i}.pt")
+            del logits
+            if greedy_tokens:
+                self.greedy.append(plain_model.generate(
+                    x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
+                    eos_token_id=self.eos, pad_token_id=(self.eos or [0])[0])[0, x.shape[1]:].tolist())
+
+    def logits(self, i: int, device) -> torch.Tensor:
+        if self._spill is None:
+            return self._logits[i].to(device)
+        return torch.load(self._spill / f"logits-{i}.pt", weights_only=True).to(device)
+
+
 @torch.no_grad()
 def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[Sequence[int]],
             greedy_tokens: int = 24, device=None) -> Fidelity:
@@ -87,6 +128,15 @@ def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[S
     they are. The metrics are taken in float64 on that device (element-wise work on one prompt's logits, cheap
     even where float64 matrix products are slow) and returned as Python numbers."""
     dev = place_models(device, plain_model, obf_model)
+    eos = key.special_tokens.get("eos_token_id") if key is not None else plain_model.generation_config.eos_token_id
+    reference = PlainReference(plain_model, prompts_ids, greedy_tokens, eos, dev)
+    return compare_with_reference(reference, obf_model, key, dev)
+
+
+@torch.no_grad()
+def compare_with_reference(reference: PlainReference, obf_model, key: KeyFile | None, device=None) -> Fidelity:
+    """``compare`` with the plaintext side already taken (``PlainReference``): only ``obf_model`` is needed."""
+    dev = place_models(device, obf_model)
     encode = key.encode_ids if key is not None else list
     decode = key.decode_ids if key is not None else list
     perm = torch.from_numpy(key.permutation).to(dev) if key is not None else None
@@ -95,13 +145,10 @@ def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[S
     max_err = torch.zeros((), dtype=torch.float64, device=dev)
     n_pos = 0
     greedy_same = 0
-    eos_plain = (key.special_tokens.get("eos_token_id") if key is not None
-                 else plain_model.generation_config.eos_token_id)
-    eos_plain = [eos_plain] if isinstance(eos_plain, int) else eos_plain
-    for ids in prompts_ids:
-        x = torch.tensor([list(ids)], device=dev)
-        xo = torch.tensor([encode(list(ids))], device=dev)
-        lp = plain_model(x).logits[0].double()
+    greedy_tokens, eos_plain = reference.greedy_tokens, reference.eos
+    for i, ids in enumerate(reference.ids):
+        xo = torch.tensor([encode(ids)], device=dev)
+        lp = reference.logits(i, dev).double()
         lo = obf_model(xo).logits[0].double()
         if perm is not None:
             lo = lo[:, perm]  # column i = obfuscated logit of plain token i
@@ -112,14 +159,12 @@ def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[S
         max_err = torch.maximum(max_err, (lp - lo).abs().max())
         n_pos += lp.shape[0]
         if greedy_tokens:
-            gp = plain_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
-                                      eos_token_id=eos_plain, pad_token_id=(eos_plain or [0])[0])[0, x.shape[1]:].tolist()
             eo = encode(eos_plain) if eos_plain else None
             go = obf_model.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens, do_sample=False,
                                     eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:].tolist()
-            greedy_same += int(decode(go) == gp)
-    return Fidelity(agree / n_pos, float(kl_sum) / n_pos, float(max_err), greedy_same / max(1, len(prompts_ids)),
-                    n_pos, len(prompts_ids), greedy_tokens)
+            greedy_same += int(decode(go) == reference.greedy[i])
+    return Fidelity(agree / n_pos, float(kl_sum) / n_pos, float(max_err), greedy_same / max(1, len(reference.ids)),
+                    n_pos, len(reference.ids), greedy_tokens)
 
 
 def builtin_prompt_ids(tokenizer, vocab_size: int, n: int | None = None, seed: int = 0) -> list[list[int]]:
@@ -221,14 +266,21 @@ def perplexity_pair(plain_model, obf_model, key: KeyFile, ids_list: Sequence[Seq
     """Perplexity of both models on the same plaintext ids (obfuscated logits mapped back by the key).
     ``device``: as for ``compare`` (models moved there in place; None = where they are)."""
     dev = place_models(device, plain_model, obf_model)
+    return perplexity_with_reference(PlainReference(plain_model, ids_list, device=dev), obf_model, key, dev)
+
+
+@torch.no_grad()
+def perplexity_with_reference(reference: PlainReference, obf_model, key: KeyFile, device=None) -> Perplexity:
+    """``perplexity_pair`` with the plaintext side already taken: only ``obf_model`` is needed."""
+    dev = place_models(device, obf_model)
     perm = torch.from_numpy(key.permutation).to(dev)
     nll_p = torch.zeros((), dtype=torch.float64, device=dev)
     nll_o = torch.zeros((), dtype=torch.float64, device=dev)
     n = 0
-    for ids in ids_list:
-        x = torch.tensor([list(ids)], device=dev)
-        lp = plain_model(x).logits[0, :-1].double()
-        lo = obf_model(torch.tensor([key.encode_ids(list(ids))], device=dev)).logits[0, :-1].double()[:, perm]
+    for i, ids in enumerate(reference.ids):
+        x = torch.tensor([ids], device=dev)
+        lp = reference.logits(i, dev)[:-1].double()
+        lo = obf_model(torch.tensor([key.encode_ids(ids)], device=dev)).logits[0, :-1].double()[:, perm]
         target = x[0, 1:]
         nll_p += F.cross_entropy(lp, target, reduction="sum")
         nll_o += F.cross_entropy(lo, target, reduction="sum")
@@ -236,7 +288,7 @@ def perplexity_pair(plain_model, obf_model, key: KeyFile, ids_list: Sequence[Seq
     if n == 0:
         raise ValueError("no text with at least 2 tokens")
     nll_p, nll_o = float(nll_p), float(nll_o)
-    return Perplexity(math.exp(nll_p / n), math.exp(nll_o / n), n, len(ids_list), nll_p / n, nll_o / n)
+    return Perplexity(math.exp(nll_p / n), math.exp(nll_o / n), n, len(reference.ids), nll_p / n, nll_o / n)
 
 
 def fidelity_report(plain_model, obf_model, key: KeyFile, tokenizer, prompts: int | None = None,
@@ -245,23 +297,57 @@ def fidelity_report(plain_model, obf_model, key: KeyFile, tokenizer, prompts: in
     """Everything at once: prompt fidelity (built-in chat prompts), corpus top-1/KL and perplexity, on ``device``
     (models moved there in place; None = where they are)."""
     dev = place_models(device, plain_model, obf_model)
-    prompt_ids = builtin_prompt_ids(tokenizer, key.vocab_size, prompts)
-    fid: Fidelity = compare(plain_model, obf_model, key, prompt_ids, greedy_tokens=greedy_tokens, device=dev)
+    references = ReportReferences(plain_model, key, tokenizer, prompts, greedy_tokens, corpus, corpus_texts_n,
+                                  max_tokens, dev)
+    return report_with_references(references, obf_model, key, dev)
+
+
+class ReportReferences:
+    """The plaintext side of ``fidelity_report`` (see ``PlainReference``): the model can be freed after this."""
+
+    def __init__(self, plain_model, key: KeyFile, tokenizer, prompts: int | None = None, greedy_tokens: int = 24,
+                 corpus: str | None = None, corpus_texts_n: int = 32, max_tokens: int = 128, device=None,
+                 spill_dir: str | Path | None = None):
+        dev = place_models(device, plain_model)
+        eos = key.special_tokens.get("eos_token_id")
+        self.prompts = PlainReference(plain_model, builtin_prompt_ids(tokenizer, key.vocab_size, prompts),
+                                      greedy_tokens, eos, dev, _subdir(spill_dir, "prompts"))
+        self.corpus: PlainReference | None = None
+        if tokenizer is not None:
+            texts, self.corpus_provenance = corpus_texts(corpus, corpus_texts_n)
+            self.max_tokens = max_tokens
+            self.corpus = PlainReference(plain_model, corpus_ids(tokenizer, texts, max_tokens), 0, eos, dev,
+                                         _subdir(spill_dir, "corpus"))
+
+
+def _subdir(parent: str | Path | None, name: str) -> Path | None:
+    if parent is None:
+        return None
+    path = Path(parent) / name
+    path.mkdir()
+    return path
+
+
+def report_with_references(references: ReportReferences, obf_model, key: KeyFile, device=None) -> dict:
+    """``fidelity_report`` with the plaintext side already taken: only ``obf_model`` is needed."""
+    dev = place_models(device, obf_model)
+    fid: Fidelity = compare_with_reference(references.prompts, obf_model, key, dev)
     report = {"prompts": fid.to_dict()}
-    if tokenizer is not None:
-        texts, prov = corpus_texts(corpus, corpus_texts_n)
-        ids = corpus_ids(tokenizer, texts, max_tokens)
-        teacher_forced = compare(plain_model, obf_model, key, ids, greedy_tokens=0, device=dev).to_dict()
+    if references.corpus is not None:
+        teacher_forced = compare_with_reference(references.corpus, obf_model, key, dev).to_dict()
         for k in ("greedy_match_rate", "greedy_tokens"):  # no greedy continuation is run on corpus text
             teacher_forced.pop(k)
-        report["corpus"] = {"provenance": prov, "max_tokens": max_tokens, **teacher_forced,
-                            "perplexity": perplexity_pair(plain_model, obf_model, key, ids, device=dev).to_dict()}
+        report["corpus"] = {"provenance": references.corpus_provenance, "max_tokens": references.max_tokens,
+                            **teacher_forced,
+                            "perplexity": perplexity_with_reference(references.corpus, obf_model, key, dev).to_dict()}
     return report
 
 
 def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, device=None, **kwargs) -> dict:
-    """``fidelity_report`` of the obfuscated directory against its source, both loaded on ``device`` (default
-    cpu; an invalid or absent device is refused before anything is loaded)."""
+    """``fidelity_report`` of the obfuscated directory against its source, on ``device`` (default cpu; an invalid
+    or absent device is refused before anything is loaded). One model is in memory at a time: the plaintext
+    model's outputs are taken (its logits kept in a temporary directory) and it is freed before the obfuscated
+    model loads."""
     from ..runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from ..keyfile import check_key_matches, load_key
 
@@ -269,10 +355,24 @@ def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Pat
     key = load_key(key_path)
     check_key_matches(key, server_dir)
     tok = load_tokenizer(key, src if Path(src).is_file() else None)
-    plain = load_plain_model(src, device=dev)
-    obf = load_obfuscated_model(server_dir, device=dev)
-    return fidelity_report(plain, obf, key, tok, device=dev, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="aloepri-reference-") as spill:
+        references = ReportReferences(load_plain_model(src, device=dev), key, tok, device=dev, spill_dir=spill,
+                                      **kwargs)
+        release_memory()
+        return report_with_references(references, load_obfuscated_model(server_dir, device=dev), key, dev)
 
 
-__all__ = ["BUILTIN_PROMPTS", "Fidelity", "Perplexity", "builtin_prompt_ids", "compare", "corpus_ids", "corpus_texts",
-           "fidelity_report", "load_and_report", "perplexity_pair", "stdlib_docstring_paragraphs"]
+def release_memory() -> None:
+    """Return a freed model's memory: collect it (transformers modules hold reference cycles) and hand the freed
+    heap back to the OS (glibc keeps large freed arenas otherwise, and the next model would be counted on top)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass
+
+
+__all__ = ["BUILTIN_PROMPTS", "Fidelity", "Perplexity", "PlainReference", "ReportReferences", "builtin_prompt_ids",
+           "compare", "compare_with_reference", "corpus_ids", "corpus_texts", "fidelity_report", "load_and_report",
+           "perplexity_pair", "perplexity_with_reference", "release_memory", "report_with_references",
+           "stdlib_docstring_paragraphs"]

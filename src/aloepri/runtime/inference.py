@@ -14,12 +14,63 @@ from .tokenizer import load_hf_tokenizer, load_tokenizer  # noqa: F401  (load_to
 
 
 def load_plain_model(src: str | Path, dtype: torch.dtype = torch.float32, device=None):
-    """The public plaintext model, from a checkpoint directory or a .gguf file (dequantized by transformers), on
-    ``device`` (default cpu)."""
+    """The public plaintext model, from a checkpoint directory or a .gguf file, on ``device`` (default cpu).
+
+    A .gguf file is dequantized one tensor at a time into the model (``gguf_model``): transformers' own GGUF
+    loading holds every dequantized tensor and the model at once, twice the model's size at its peak."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype)
+    if Path(src).is_file():
+        model = gguf_model(src, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype)
     return model.to(resolve_device(device)).eval()
+
+
+def gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The model of a .gguf file with the weights transformers' GGUF loading gives (the same config, the same
+    dequantization and q/k row order: aloepri's reader, which the obfuscation starts from), built without a
+    second copy: the model is allocated uninitialised, then each tensor is dequantized into its place."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from ..obfuscation.checkpoint import open_checkpoint
+
+    config = AutoConfig.from_pretrained(**pretrained_kwargs(path))
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = dict(model.named_parameters())  # a tied head is the embedding, listed once
+    filled = set()
+    ck = open_checkpoint(path)
+    try:
+        names = ck.spec.hf_names
+        for role, layer, part in _gguf_tensor_roles(ck):
+            name = names.of(role, layer, part)
+            if name not in params:  # e.g. q/k/v biases in a file whose llama config declares none
+                raise ValueError(f"{path}: the GGUF file holds {name}, which the {type(model).__name__} its config "
+                                 "describes does not have")
+            params[name].data.copy_(ck.get(role, layer, part, dtype=torch.float32))
+            filled.add(name)
+        head = names.of("head")
+        if ck.tied_embeddings and head in params and head not in filled:  # a config that unties what the file ties
+            params[head].data.copy_(params[names.of("embed")].data)
+            filled.add(head)
+    finally:
+        ck.close()
+    if filled != set(params):
+        raise ValueError(f"{path}: the GGUF file leaves {sorted(set(params) - filled)[:5]} of the "
+                         f"{type(model).__name__} unset")
+    return model
+
+
+def _gguf_tensor_roles(ck) -> list[tuple[str, int | None, str]]:
+    roles = [("embed", None, "weight"), ("final_norm", None, "weight")]
+    if not ck.tied_embeddings:
+        roles.append(("head", None, "weight"))
+    for i in range(ck.num_layers):
+        for role in ck.attention_roles(i) + ck.mlp_roles(i):
+            roles += [(role, i, part) for part in ("weight", "bias") if ck.has(role, i, part)]
+    return roles
 
 
 def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None):
