@@ -14,6 +14,7 @@ import io
 import json
 import sys
 import time
+from pathlib import Path
 
 from .proc_status import status_kib
 
@@ -30,6 +31,7 @@ def compare_once(mode: str, src: str, server: str, key_path: str, prompts: int, 
 
     src = str(resolve_model(src))  # a bundled model's name, as the CLI takes it
     key = load_key(key_path)
+    tokenizer_src = src if Path(src).is_file() else None  # as verify chooses (a directory's key records its own)
     corpus = {**CORPUS, "corpus_texts_n": prompts}
     if mode == "verify":
         from aloepri.cli import main
@@ -43,14 +45,15 @@ def compare_once(mode: str, src: str, server: str, key_path: str, prompts: int, 
         return json.loads(out.getvalue())
     if mode == "both":
         torch.manual_seed(0)
-        tok = load_tokenizer(key, src)
+        tok = load_tokenizer(key, tokenizer_src)
         plain, obf = load_plain_model(src), load_obfuscated_model(server)
         return compare(plain, obf, key, builtin_prompt_ids(tok, key.vocab_size, prompts),
                        greedy_tokens=greedy_tokens).to_dict()
     if mode == "eval-fidelity":
         return load_and_report(src, server, key_path, prompts=prompts, greedy_tokens=greedy_tokens, **corpus)
     if mode == "eval-fidelity-both":
-        return fidelity_report(load_plain_model(src), load_obfuscated_model(server), key, load_tokenizer(key, src),
+        return fidelity_report(load_plain_model(src), load_obfuscated_model(server), key,
+                               load_tokenizer(key, tokenizer_src),
                                prompts=prompts, greedy_tokens=greedy_tokens, **corpus)
     raise ValueError(f"unknown mode {mode!r}")
 

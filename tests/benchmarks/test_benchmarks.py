@@ -203,3 +203,20 @@ def test_scale_and_key_children_run_on_a_tiny_model(tmp_path):
     k = key_setup._run_child(REPO / "src", 256, 1, "-", "-")
     assert {"B", "B_inv", "Z", "P", "Q", "perm", "kappa"} <= set(k["sha256_16"]) and k["key_seconds"] > 0
     assert k["sha256_16"] == key_setup._run_child(REPO / "src", 256, 1, "1", "-")["sha256_16"]  # one worker: same bits
+
+
+def test_verify_memory_children_give_equal_numbers_on_a_tiny_model(tmp_path):
+    """The verify_memory experiment's children: `aloepri verify` (one model at a time) and both models side by side
+    give the same numbers, each with its own peak RSS."""
+    import aloepri
+    from aloepri.testing.tiny import build_tiny
+    from benchmarks.experiments.verify_memory import run_child
+
+    src = build_tiny("llama", tmp_path / "src")
+    aloepri.obfuscate(src, tmp_path / "server", tmp_path / "key.json", aloepri.resolve_params("noisy"), seed=3,
+                      allow_weak_seed=True, progress=False)
+    runs = {mode: run_child([sys.executable, "-m", "benchmarks.lib.verify_child", mode, str(src),
+                             str(tmp_path / "server"), str(tmp_path / "key.json"), "2", "3", "1"], 8.0, 1)
+            for mode in ("verify", "both")}
+    assert runs["verify"]["result"] == runs["both"]["result"] and runs["verify"]["result"]["prompts"] == 2
+    assert all(r["peak_rss_mib"] >= r["imports_rss_mib"] > 0 and r["seconds"] > 0 for r in runs.values())
