@@ -1,5 +1,6 @@
-"""The plaintext model from a .gguf file: aloepri dequantizes it into the model tensor by tensor, with the weights
-and config transformers' GGUF loading gives, at about half its peak memory."""
+"""The models verify and eval load: a .gguf plaintext model is dequantized into the model tensor by tensor, and an
+obfuscated checkpoint stored in another dtype is converted tensor by tensor, each with the weights and config
+transformers' own loading gives, without its second copy."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -51,3 +52,16 @@ def test_a_gguf_whose_config_lacks_its_tensors_is_refused(tiny_dir, tmp_path):
     export_gguf(reference, tmp_path / "m.gguf", "f32")
     with pytest.raises(ValueError, match="q_proj.bias"):
         gguf_model(tmp_path / "m.gguf")
+
+
+def test_an_obfuscated_checkpoint_in_another_dtype_loads_as_transformers_loads_it(obfuscated):
+    from aloepri.runtime.inference import load_obfuscated_model
+
+    out, _ = obfuscated("qwen2")  # stored in float64 (the tiny source's dtype), loaded as float32: converted
+    ours = load_obfuscated_model(out)
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    assert ours_sd.keys() == theirs_sd.keys() and all(v.dtype == torch.float32 for v in ours_sd.values())
+    assert [k for k in ours_sd if not torch.equal(ours_sd[k], theirs_sd[k])] == []
+    assert ours.generation_config.to_dict() == theirs.generation_config.to_dict()
+    assert ours.config.to_dict() == theirs.config.to_dict()
