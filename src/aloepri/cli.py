@@ -48,7 +48,7 @@ def _params_from_args(a: argparse.Namespace) -> ObfuscationParams:
 
 def cmd_obfuscate(a: argparse.Namespace) -> int:
     from .models import resolve_model
-    from .obfuscation.pipeline import obfuscate, obfuscation_device
+    from .obfuscation.pipeline import obfuscate, obfuscation_device, serving_dtype
 
     src = resolve_model(a.src)
     params = _params_from_args(a)
@@ -56,12 +56,16 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     shard_gb = finite_number("--max-shard-gb", a.max_shard_gb, 0.0, exclusive=True, maximum=1024.0)
     preset = a.preset or ("file" if a.preset_file else "default")
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
+    dtype = a.dtype or serving_dtype(src)
+    if dtype != a.dtype:
+        print(f"output {dtype}: the default for a quantized GGUF source (as close to the float32 plaintext model as "
+              "the plaintext model in bfloat16 is; --dtype float32 for logits equal to plaintext's)", file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
         from .runtime.sensitivity import fisher_noise_factors  # the public model on a public corpus
 
         factors = fisher_noise_factors(src)
-    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
+    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
                     allow_weak_seed=a.allow_weak_seed, noise_factors=factors, device=a.device, tp=a.tp)
     if res.h != params.h:
@@ -191,14 +195,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory for the server (must not exist unless --force)")
     p.add_argument("--key-out", required=True, help="where to write the client's secret key (JSON, mode 0600)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="default (when omitted): lossless, logits equal plaintext's; exact: lossless with the "
-                        "hidden width expanded; noisy: default plus small embedding/head noise (changes answers); "
-                        "paper: the AloePri paper's parameters. None hides the prompt from a server that holds "
+                   help="default (when omitted): lossless, logits equal plaintext's (in float32); exact: lossless "
+                        "with the hidden width expanded; noisy: default plus small embedding/head noise (changes "
+                        "answers); paper: the AloePri paper's parameters. None hides the prompt from a server that holds "
                         "the public model (docs/security.md)")
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
     _add_seed_options(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64", "fp8"], default=None,
-                   help="output precision (default: the source's; float32 for GGUF). fp8: linear weights "
+                   help="output precision (default: the source's; bfloat16 for a quantized GGUF, float32 for a float "
+                        "GGUF; docs/accuracy.md). fp8: linear weights "
                         "block-quantized float8_e4m3fn with a quantization_config vLLM and SGLang read, the rest "
                         "bfloat16 (the default for an FP8 source)")
     p.add_argument("--tp", type=int, default=1, metavar="N",

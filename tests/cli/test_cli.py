@@ -64,6 +64,26 @@ def test_verify_holds_one_model_at_a_time_with_the_same_numbers(tiny_dir, tmp_pa
     assert 0 < both["mean_kl"] and both["top1_agreement"] < 1
 
 
+def test_a_quantized_gguf_is_served_in_bfloat16_unless_asked_otherwise(tmp_path, capsys):
+    """`aloepri obfuscate` writes bfloat16 from a block-quantized GGUF (float32 would be 6-7x the file; measured:
+    as close to the float32 plaintext as the plaintext in bfloat16); --dtype wins; a float GGUF stays float32."""
+    from aloepri.export.gguf import export_gguf, plaintext_reference_dir
+    from aloepri.testing.tiny import build_tiny
+
+    src = build_tiny("llama", tmp_path / "src", hidden_size=64, intermediate_size=96, num_attention_heads=8)
+    reference = plaintext_reference_dir(src, tmp_path / "plain")  # rows of 64 and 96: whole q8_0 blocks
+    for qtype in ("q8_0", "f32"):
+        export_gguf(reference, tmp_path / f"{qtype}.gguf", qtype)
+    runs = {"q8_0": [], "f32": [], "q8_0-asked": ["--dtype", "float32"]}
+    for name, extra in runs.items():
+        assert main(["obfuscate", str(tmp_path / f"{name.split('-')[0]}.gguf"), str(tmp_path / name), "--key-out",
+                     str(tmp_path / f"{name}.key"), "--quiet", *extra]) == 0
+        runs[name] = (json.loads((tmp_path / name / "config.json").read_text())["dtype"], capsys.readouterr().err)
+    assert runs["q8_0"][0] == "bfloat16" and "output bfloat16: the default for a quantized GGUF" in runs["q8_0"][1]
+    assert runs["f32"][0] == "float32" and "output bfloat16" not in runs["f32"][1]
+    assert runs["q8_0-asked"][0] == "float32" and "output bfloat16" not in runs["q8_0-asked"][1]
+
+
 def test_models_lists_the_bundled_models(capsys):
     assert main(["models", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}

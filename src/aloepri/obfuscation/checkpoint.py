@@ -379,6 +379,14 @@ class GGUFCheckpoint(SourceCheckpoint):
     def tensor_names(self):
         return set(self._tensors)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether a tensor is stored block-quantized (Q4_K, Q8_0, ...), not as F32, F16 or BF16."""
+        import gguf
+
+        plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+        return any(t.tensor_type not in plain for t in self._tensors.values())
+
     def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
         name = self.name_of(role, layer, part)
         t = self._tensors.get(name)
