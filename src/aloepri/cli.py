@@ -58,8 +58,9 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
     dtype = a.dtype or serving_dtype(src)
     if dtype != a.dtype:
-        print(f"output {dtype}: the default for a quantized GGUF source (as close to the float32 plaintext model as "
-              "the plaintext model in bfloat16 is; --dtype float32 for logits equal to plaintext's)", file=sys.stderr)
+        print(f"output {dtype}: the default for a quantized or half-precision GGUF source (as close to the float32 "
+              "plaintext model as the plaintext model in bfloat16 is; --dtype float32 for logits equal to "
+              "plaintext's)", file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
         from .runtime.sensitivity import fisher_noise_factors  # the public model on a public corpus
@@ -202,8 +203,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
     _add_seed_options(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64", "fp8"], default=None,
-                   help="output precision (default: the source's; bfloat16 for a quantized GGUF, float32 for a float "
-                        "GGUF; docs/accuracy.md). fp8: linear weights "
+                   help="output precision (default: the source's; for a GGUF bfloat16, or float32 when it stores "
+                        "float32; docs/accuracy.md). fp8: linear weights "
                         "block-quantized float8_e4m3fn with a quantization_config vLLM and SGLang read, the rest "
                         "bfloat16 (the default for an FP8 source)")
     p.add_argument("--tp", type=int, default=1, metavar="N",

@@ -380,12 +380,11 @@ class GGUFCheckpoint(SourceCheckpoint):
         return set(self._tensors)
 
     @property
-    def quantized(self) -> bool:
-        """Whether a tensor is stored block-quantized (Q4_K, Q8_0, ...), not as F32, F16 or BF16."""
+    def below_float32(self) -> bool:
+        """Whether a tensor is stored in less than float32: block-quantized (Q4_K, Q8_0, ...), F16 or BF16."""
         import gguf
 
-        plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
-        return any(t.tensor_type not in plain for t in self._tensors.values())
+        return any(t.tensor_type != gguf.GGMLQuantizationType.F32 for t in self._tensors.values())
 
     def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
         name = self.name_of(role, layer, part)
