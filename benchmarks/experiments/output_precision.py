@@ -92,7 +92,8 @@ def report(store: ResultStore) -> str:
     return "\n".join(rows)
 
 
-SUMMARY = "output precision for a GGUF source: the obfuscated model in float32 / bfloat16 against plaintext in the same dtype"
+SUMMARY = ("output precision for a GGUF source: the obfuscated model in float32 / bfloat16 against plaintext in the "
+           "same dtype")
 CONFIGS = {"smollm2": Settings(prompts=8, greedy_tokens=12),
            "smoke": Settings(prompts=2, greedy_tokens=4),
            # bfloat16 only (a float32 output is 7 GB); one model in memory at a time, about 7.5 GB at the peak

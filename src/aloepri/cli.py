@@ -198,8 +198,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="default (when omitted): lossless, logits equal plaintext's (in float32); exact: lossless "
                         "with the hidden width expanded; noisy: default plus small embedding/head noise (changes "
-                        "answers); paper: the AloePri paper's parameters. None hides the prompt from a server that holds "
-                        "the public model (docs/security.md)")
+                        "answers); paper: the AloePri paper's parameters. None hides the prompt from a server that "
+                        "holds the public model (docs/security.md)")
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
     _add_seed_options(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64", "fp8"], default=None,
