@@ -58,8 +58,8 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
     dtype = a.dtype or serving_dtype(src)
     if dtype != a.dtype:
-        print(f"output {dtype}: the default for a quantized or half-precision GGUF source (as close to the float32 "
-              "plaintext model as the plaintext model in bfloat16 is; --dtype float32 for logits equal to "
+        print(f"output {dtype}: the default for a quantized or half-precision GGUF source (top-1 and greedy as "
+              "the plaintext model's in bfloat16, docs/accuracy.md; --dtype float32 for logits equal to "
               "plaintext's)", file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
