@@ -67,7 +67,7 @@ def writes_fp8(src: Path, dtype: str | None) -> bool:
 
 def cmd_obfuscate(a: argparse.Namespace) -> int:
     from .models import resolve_model
-    from .obfuscation.pipeline import obfuscate, obfuscation_device
+    from .obfuscation.pipeline import obfuscate, obfuscation_device, serving_dtype
 
     src = resolve_model(a.src)
     params = _params_from_args(a)
@@ -81,12 +81,17 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     print(f"preset {preset}: {note}", file=sys.stderr)
     if fp8:
         print(FP8_OUTPUT_NOTE, file=sys.stderr)
+    dtype = a.dtype or serving_dtype(src)
+    if dtype != a.dtype:
+        print(f"output {dtype}: the default for a quantized or half-precision GGUF source (top-1 and greedy as "
+              "the plaintext model's in bfloat16, docs/accuracy.md; --dtype float32 for logits equal to "
+              "plaintext's)", file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
         from .runtime.sensitivity import fisher_noise_factors  # the public model on a public corpus
 
         factors = fisher_noise_factors(src)
-    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
+    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
                     allow_weak_seed=a.allow_weak_seed, noise_factors=factors, device=a.device, tp=a.tp)
     if res.h != params.h:
@@ -99,7 +104,8 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .eval.fidelity import ModelPair, builtin_prompt_ids, fidelity_of, measure_texts, record_scope
+    from .eval.fidelity import PlainReference, builtin_prompt_ids, compare_with_reference, kept_records, \
+        record_scope, release_memory
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
     from .models import resolve_model
@@ -114,14 +120,23 @@ def cmd_verify(a: argparse.Namespace) -> int:
     check_key_matches(key, a.out)
     torch.manual_seed(0)
     tok = load_tokenizer(key, a.tokenizer or (src if src.is_file() else None)) if not a.no_tokenizer else None
-    plain = load_plain_model(src, device=device)
-    obf = load_obfuscated_model(a.out, device=device)
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
     store = ResultStore(a.results) if a.results else None
-    with Progress(len(prompts), "verify", unit="prompt", enabled=not a.quiet) as bar:
-        records = measure_texts(ModelPair(plain, obf, key, device), prompts, a.greedy_tokens, progress=bar, store=store,
-                                scope=record_scope(src, a.out, key, device))
-    print(json.dumps(fidelity_of(records, a.greedy_tokens).to_dict(), indent=2))
+    scope = record_scope(src, a.out, key, device)
+    done = [r is not None for r in kept_records(store, prompts, a.greedy_tokens, scope=scope)]
+    # one model in memory at a time: the plaintext model's outputs are taken (prompts a --results file already
+    # holds are skipped), it is freed, then the obfuscated model loads; two steps a prompt on the bar
+    plain = load_plain_model(src, device=device)
+    with Progress(2 * len(prompts), "verify", unit="step", enabled=not a.quiet) as bar:
+        bar.start("plaintext model")
+        reference = PlainReference(plain, prompts, a.greedy_tokens, key.special_tokens.get("eos_token_id"), device,
+                                   skip=done, progress=bar)
+        del plain
+        release_memory()
+        bar.start("obfuscated model")
+        fid = compare_with_reference(reference, load_obfuscated_model(a.out, device=device), key, device,
+                                     progress=bar, store=store, scope=scope)
+    print(json.dumps(fid.to_dict(), indent=2))
     return 0
 
 
@@ -137,6 +152,7 @@ def cmd_models(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
+    width = max(len(r.name) for r in rows) + 1
     for r in rows:
         if not r.installed:
             state = f"not installed ({r.install})"
@@ -144,7 +160,8 @@ def cmd_models(a: argparse.Namespace) -> int:
             state = f"installed, {r.size_bytes / 1e6:.0f} MB, {r.path}"
         else:
             state = f"parts installed ({r.size_bytes / 1e6:.0f} MB); the model file {r.path} is built on first use"
-        print(f"{r.name:<11} {r.description}\n{'':<11} {state}" + (f"\n{'':<11} {r.note}" if r.note else ""))
+        print(f"{r.name:<{width}} {r.description}\n{'':<{width}} {state}" +
+              (f"\n{'':<{width}} {r.note}" if r.note else ""))
     return 0
 
 
@@ -224,14 +241,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory for the server (must not exist unless --force)")
     p.add_argument("--key-out", required=True, help="where to write the client's secret key (JSON, mode 0600)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="default (when omitted): lossless, logits equal plaintext's; exact: lossless with the "
-                        "hidden width expanded; noisy: default plus small embedding/head noise (changes answers); "
-                        "paper: the AloePri paper's parameters. None hides the prompt from a server that holds "
-                        "the public model (docs/security.md)")
+                   help="default (when omitted): lossless, logits equal plaintext's (in float32); exact: lossless "
+                        "with the hidden width expanded; noisy: default plus small embedding/head noise (changes "
+                        "answers); paper: the AloePri paper's parameters. None hides the prompt from a server that "
+                        "holds the public model (docs/security.md)")
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
     _add_seed_options(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64", "fp8"], default=None,
-                   help="output precision (default: the source's; float32 for GGUF). fp8: linear weights "
+                   help="output precision (default: the source's; for a GGUF bfloat16, or float32 when it stores "
+                        "float32; docs/accuracy.md). fp8: linear weights "
                         "block-quantized float8_e4m3fn with a quantization_config vLLM and SGLang read, the rest "
                         "bfloat16 (the default for an FP8 source)")
     p.add_argument("--tp", type=int, default=1, metavar="N",

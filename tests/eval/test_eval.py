@@ -346,3 +346,20 @@ def test_fidelity_report_exact_with_tokenizer(tok_model):
     assert c["provenance"].startswith("stdlib-docstrings") and c["top1_agreement"] == 1.0
     assert "greedy_match_rate" not in c and c["perplexity"]["tokens"] == 2 * 15
     assert c["perplexity"]["relative_increase"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_fidelity_report_holds_one_model_at_a_time_with_the_same_numbers(tok_model, monkeypatch):
+    """load_and_report takes the plaintext logits (kept on disk), frees that model, then loads the obfuscated one:
+    every number equals fidelity_report's with both models in memory."""
+    from aloepri.eval.fidelity import fidelity_report, load_and_report
+    from aloepri.runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
+    from cli_helpers import one_model_at_a_time
+
+    src, server, key_path = tok_model
+    key = aloepri.load_key(key_path)
+    options = dict(prompts=3, greedy_tokens=4, corpus="stdlib-docstrings", corpus_texts_n=3, max_tokens=24)
+    both = fidelity_report(load_plain_model(src), load_obfuscated_model(server), key, load_tokenizer(key, src),
+                           **options)
+    one_model_at_a_time(monkeypatch)
+    assert load_and_report(src, server, key_path, **options) == both
+    assert both["corpus"]["max_logit_error"] > 0  # float rounding: the numbers compared are not all trivial
