@@ -30,3 +30,26 @@ def one_error_line(err: str, command: str) -> str:
 
 def entries(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
+
+
+def one_model_at_a_time(monkeypatch):
+    """Patch the loaders so that loading the obfuscated model fails while the plaintext one is still alive."""
+    import gc
+    import weakref
+
+    import aloepri.runtime.inference as inference
+
+    live, load_plain, load_obf = [], inference.load_plain_model, inference.load_obfuscated_model
+
+    def plain(*args, **kwargs):
+        model = load_plain(*args, **kwargs)
+        live.append(weakref.ref(model))
+        return model
+
+    def obfuscated(*args, **kwargs):
+        gc.collect()
+        assert live and all(ref() is None for ref in live), "the plaintext model is still in memory"
+        return load_obf(*args, **kwargs)
+
+    monkeypatch.setattr(inference, "load_plain_model", plain)
+    monkeypatch.setattr(inference, "load_obfuscated_model", obfuscated)

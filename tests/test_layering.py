@@ -12,7 +12,8 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "aloepri"
 
 # bottom to top; a module may import from its own layer and the layers below it
 LAYERS = [
-    ["aloepri.storage", "aloepri.models", "aloepri.corpora"],  # files on disk: atomic staging, safetensors reading,
+    ["aloepri.storage", "aloepri.models", "aloepri.corpora", "aloepri.progress"],  # files on disk: atomic staging,
+    # safetensors reading, resumable result files, progress bars,
     # bundled weights, public text corpora
     ["aloepri.keyfile"],  # the secret key and its binding to one obfuscated model
     ["aloepri.obfuscation"],  # archs, params, secrets, transforms, block strategies, checkpoint I/O, the pipeline

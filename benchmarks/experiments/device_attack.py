@@ -10,6 +10,14 @@ compares runs minutes apart on the same machine; compare ratios, not absolute se
 VMA and isa_anchor do not depend on the probe batch: they run once per device; `behavioural` runs once per batch.
 Batch "default" is each stage's own batch (16 sequences per output-profile forward, all generation prompts at once,
 128 for the input-side re-ranking); batch 1 is the unbatched path. Rows keyed ``device/batch/attacks``.
+
+The ``synthetic`` plan (configs ``synthetic-cuda`` and ``synthetic-cpu``) needs no model download and no network, for a
+GPU machine that gets a copy of the working tree: it writes a random-weight checkpoint of a published shape at its
+real width (``model`` = ``synthetic:FAMILY``, aloepri.testing.synthetic; depth and vocabulary reduced) on the spot,
+then per device (benchmarks.lib.device_child): obfuscates it with the products on that device and checks
+equivalence there (plaintext against obfuscated logits; row ``device/equivalence``), and runs the behavioural
+attack (budget ci, random prompts, a stand-in chat template: the checkpoint has no tokenizer) per probe batch (rows
+``device/batch/behavioural``). The same obfuscated model (built on the CPU) is attacked on every device.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..lib import ResultStore
+from ..lib.provenance import REPO
 
 WEIGHT_ATTACKS = "vma,isa_anchor"  # batch-independent
 
@@ -35,6 +44,9 @@ class Settings:
     budget: str = "ci"
     prompts: int = 10
     threads: int = 2
+    plan: str = "cli"  # "cli": `aloepri attack` on a model with a tokenizer; "synthetic": see the module doc
+    synthetic_layers: int = 2
+    synthetic_vocab: int = 16384
 
 
 def source(model: str) -> Path:
@@ -68,6 +80,8 @@ def attack_once(src: Path, server: Path, key: Path, names: str, device: str, bat
 
 
 def run(s: Settings, store: ResultStore) -> None:
+    if s.plan == "synthetic":
+        return run_synthetic(s, store)
     import aloepri
     from aloepri.storage.devices import describe_device
 
@@ -91,8 +105,64 @@ def run(s: Settings, store: ResultStore) -> None:
                 print(json.dumps({k: row[k] for k in ("device", "batch", "wall_seconds", "attacks")}), flush=True)
 
 
+def device_child(args: list[str], threads: int) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.device_child", *args, str(threads)],
+                          capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"device_child {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_synthetic(s: Settings, store: ResultStore) -> None:
+    import aloepri
+    from aloepri.storage.devices import describe_device
+    from aloepri.testing.synthetic import write_synthetic_checkpoint
+
+    from ..lib.targets import obfuscated
+
+    names = {d: describe_device(d) for d in s.devices}  # refuses an absent device before any work
+    with tempfile.TemporaryDirectory(prefix="aloepri-device-synthetic-") as work:
+        if s.model.startswith("synthetic:"):
+            src = write_synthetic_checkpoint(s.model.split(":", 1)[1], Path(work) / "src",
+                                             num_layers=s.synthetic_layers, vocab_size=s.synthetic_vocab)
+        else:
+            src = source(s.model)
+        built = obfuscated(src, aloepri.resolve_params(s.preset), 1234, work=Path(work) / "targets")
+        for dev in s.devices:
+            key = f"{dev}/equivalence"
+            if not store.has(key):
+                row = device_child(["equivalence", str(src), str(Path(work) / f"eq-{dev.replace(':', '_')}"), dev],
+                                   s.threads)
+                store.put(key, {**row, "device": dev, "model": s.model, "device_description": names[dev]})
+                print(key, json.dumps(row), flush=True)
+            for batch in s.batches:
+                key = f"{dev}/{batch}/behavioural"
+                if store.has(key):
+                    continue
+                row = device_child(["behavioural", str(src), str(built.model_dir), str(built.key_path), dev, batch],
+                                   s.threads)
+                store.put(key, {**row, "device": dev, "batch": batch, "model": s.model, "preset": s.preset,
+                                "device_description": names[dev]})
+                print(key, json.dumps(row), flush=True)
+
+
 def rows_of(store: ResultStore) -> list[dict]:
     return [e for e in store.entries().values() if "attacks" in e]
+
+
+def synthetic_report(entries: dict) -> str:
+    lines = ["| device | row | seconds | result |", "|---|---|---|---|"]
+    cpu_attack = {e["batch"]: e["attack_seconds"] for k, e in entries.items() if k.startswith("cpu/") and "batch" in e}
+    for key, e in entries.items():
+        if key.endswith("/equivalence"):
+            lines.append(f"| {e['device']} | obfuscate + equivalence | obfuscate {e['obfuscate_seconds']:.1f} | "
+                         f"top-1 {e['top1_agreement']:.4f}, relative logit error {e['relative_error']:.1e} |")
+        else:
+            speed = cpu_attack.get(e["batch"])
+            vs_cpu = f", {speed / e['attack_seconds']:.2f}x the CPU's speed" if speed and e["device"] != "cpu" else ""
+            lines.append(f"| {e['device']} | behavioural, batch {e['batch']} | {e['attack_seconds']:.1f} | TTRSR "
+                         f"{e['ttrsr']:.2f}, vocabulary recovery {e['vocab_recovery']:.4f}{vs_cpu} |")
+    return "\n".join(lines)
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -119,6 +189,9 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def report(store: ResultStore) -> str:
+    entries = store.entries()
+    if entries and all("attacks" not in e for e in entries.values()):
+        return synthetic_report(entries)
     rows = rows_of(store)
     lines = ["| device | batch | attack | attack seconds | TTRSR | vocabulary recovery | process wall seconds |",
              "|---|---|---|---|---|---|---|"]
@@ -141,6 +214,11 @@ CONFIGS = {
     "smollm2-cpu": Settings(),
     # the same on a GPU machine, CPU beside it (for a model of a few B parameters: --set model=DIR --save-as ...)
     "smollm2-cuda": Settings(devices=("cpu", "cuda"), batches=("1", "default", "128"), threads=16),
+    # issue 32, section 5: no download, no network; Llama-3.1-8B's width (d 4096, ff 14336), 2 layers, 16k vocabulary
+    "synthetic-cuda": Settings(model="synthetic:llama-3.1-8b", preset="default", devices=("cpu", "cuda"),
+                               batches=("default", "128"), threads=16, plan="synthetic"),
+    "synthetic-cpu": Settings(model="synthetic:llama-3.1-8b", preset="default", batches=("default",),
+                              plan="synthetic"),
 }
 DEFAULT_CONFIG = "smollm2-cpu"
 DOCS = ("docs/performance.md",)

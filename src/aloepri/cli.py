@@ -46,22 +46,52 @@ def _params_from_args(a: argparse.Namespace) -> ObfuscationParams:
     return resolve_params(a.preset, a.preset_file, **overrides)
 
 
+# What an FP8 output costs, measured (docs/fp8.md, "What FP8 costs the obfuscated model"; emulated FP8, the
+# default outlier_dims 4).
+FP8_OUTPUT_NOTE = (
+    "output precision FP8 (--dtype fp8, or the FP8 source's own precision): the linear weights are rounded to "
+    "float8_e4m3fn, so the logits are NOT the plaintext's. Measured (docs/fp8.md): FP8 costs the obfuscated model "
+    "1.3-1.6x what it costs the plaintext model; SmolLM2-135M mean KL 0.024-0.025 nats against plaintext float32 "
+    "(plaintext FP8: 0.019), top-1 agreement 0.86-0.89 with FP8 activations (plaintext FP8: 0.91). "
+    "--dtype bfloat16 or float32 keeps the logits equal to the plaintext's.")
+
+
+def writes_fp8(src: Path, dtype: str | None) -> bool:
+    """Whether ``obfuscate`` writes an FP8 model: --dtype fp8, or no --dtype and an FP8 source (its precision)."""
+    config = src / "config.json"
+    if dtype is not None or not config.is_file():
+        return dtype == "fp8"
+    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    return str(quantization.get("quant_method", "")).lower() == "fp8"
+
+
 def cmd_obfuscate(a: argparse.Namespace) -> int:
     from .models import resolve_model
-    from .obfuscation.pipeline import obfuscate, obfuscation_device
+    from .obfuscation.pipeline import obfuscate, obfuscation_device, serving_dtype
 
     src = resolve_model(a.src)
     params = _params_from_args(a)
     obfuscation_device(a.device)  # before the sensitivity pass a fisher preset runs
     shard_gb = finite_number("--max-shard-gb", a.max_shard_gb, 0.0, exclusive=True, maximum=1024.0)
     preset = a.preset or ("file" if a.preset_file else "default")
-    print(f"preset {preset}: {PRESET_NOTES.get(preset, 'from ' + str(a.preset_file))}", file=sys.stderr)
+    note = PRESET_NOTES.get(preset, "from " + str(a.preset_file))
+    fp8 = writes_fp8(src, a.dtype)
+    if fp8:  # the transforms are exact, the FP8 rounding of the output is not
+        note = note.replace("reproduces plaintext logits", "exact transforms, but an FP8 output (below)")
+    print(f"preset {preset}: {note}", file=sys.stderr)
+    if fp8:
+        print(FP8_OUTPUT_NOTE, file=sys.stderr)
+    dtype = a.dtype or serving_dtype(src)
+    if dtype != a.dtype:
+        print(f"output {dtype}: the default for a quantized or half-precision GGUF source (top-1 and greedy as "
+              "the plaintext model's in bfloat16, docs/accuracy.md; --dtype float32 for logits equal to "
+              "plaintext's)", file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
         from .runtime.sensitivity import fisher_noise_factors  # the public model on a public corpus
 
         factors = fisher_noise_factors(src)
-    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
+    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
                     allow_weak_seed=a.allow_weak_seed, noise_factors=factors, device=a.device, tp=a.tp)
     if res.h != params.h:
@@ -74,22 +104,38 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .eval.fidelity import builtin_prompt_ids, compare
+    from .eval.fidelity import PlainReference, builtin_prompt_ids, compare_with_reference, kept_records, \
+        record_scope, release_memory
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
     from .models import resolve_model
+    from .progress import Progress
     from .storage.devices import resolve_device
+    from .storage.results import ResultStore
 
     device = resolve_device(a.device)
+    torch.set_num_threads(max(1, a.threads))
     src = resolve_model(a.src)
     key = load_key(a.key)
     check_key_matches(key, a.out)
     torch.manual_seed(0)
     tok = load_tokenizer(key, a.tokenizer or (src if src.is_file() else None)) if not a.no_tokenizer else None
-    plain = load_plain_model(src, device=device)
-    obf = load_obfuscated_model(a.out, device=device)
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
-    fid = compare(plain, obf, key, prompts, greedy_tokens=a.greedy_tokens, device=device)
+    store = ResultStore(a.results) if a.results else None
+    scope = record_scope(src, a.out, key, device)
+    done = [r is not None for r in kept_records(store, prompts, a.greedy_tokens, scope=scope)]
+    # one model in memory at a time: the plaintext model's outputs are taken (prompts a --results file already
+    # holds are skipped), it is freed, then the obfuscated model loads; two steps a prompt on the bar
+    plain = load_plain_model(src, device=device)
+    with Progress(2 * len(prompts), "verify", unit="step", enabled=not a.quiet) as bar:
+        bar.start("plaintext model")
+        reference = PlainReference(plain, prompts, a.greedy_tokens, key.special_tokens.get("eos_token_id"), device,
+                                   skip=done, progress=bar)
+        del plain
+        release_memory()
+        bar.start("obfuscated model")
+        fid = compare_with_reference(reference, load_obfuscated_model(a.out, device=device), key, device,
+                                     progress=bar, store=store, scope=scope)
     print(json.dumps(fid.to_dict(), indent=2))
     return 0
 
@@ -106,9 +152,16 @@ def cmd_models(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
+    width = max(len(r.name) for r in rows) + 1
     for r in rows:
-        state = f"installed, {r.size_bytes / 1e6:.0f} MB, {r.path}" if r.installed else f"not installed ({r.install})"
-        print(f"{r.name:<11} {r.description}\n{'':<11} {state}")
+        if not r.installed:
+            state = f"not installed ({r.install})"
+        elif r.ready:
+            state = f"installed, {r.size_bytes / 1e6:.0f} MB, {r.path}"
+        else:
+            state = f"parts installed ({r.size_bytes / 1e6:.0f} MB); the model file {r.path} is built on first use"
+        print(f"{r.name:<{width}} {r.description}\n{'':<{width}} {state}" +
+              (f"\n{'':<{width}} {r.note}" if r.note else ""))
     return 0
 
 
@@ -188,14 +241,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory for the server (must not exist unless --force)")
     p.add_argument("--key-out", required=True, help="where to write the client's secret key (JSON, mode 0600)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="default (when omitted): lossless, logits equal plaintext's; exact: lossless with the "
-                        "hidden width expanded; noisy: default plus small embedding/head noise (changes answers); "
-                        "paper: the AloePri paper's parameters. None hides the prompt from a server that holds "
-                        "the public model (docs/security.md)")
+                   help="default (when omitted): lossless, logits equal plaintext's (in float32); exact: lossless "
+                        "with the hidden width expanded; noisy: default plus small embedding/head noise (changes "
+                        "answers); paper: the AloePri paper's parameters. None hides the prompt from a server that "
+                        "holds the public model (docs/security.md)")
     p.add_argument("--preset-file", default=None, help="JSON preset (e.g. written by a tuner)")
     _add_seed_options(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64", "fp8"], default=None,
-                   help="output precision (default: the source's; float32 for GGUF). fp8: linear weights "
+                   help="output precision (default: the source's; for a GGUF bfloat16, or float32 when it stores "
+                        "float32; docs/accuracy.md). fp8: linear weights "
                         "block-quantized float8_e4m3fn with a quantization_config vLLM and SGLang read, the rest "
                         "bfloat16 (the default for an FP8 source)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
@@ -219,6 +273,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--no-tokenizer", action="store_true", help="use random ids instead of chat prompts")
     p.add_argument("--prompts", type=int, default=None, help="number of built-in prompts (default all 20)")
     p.add_argument("--greedy-tokens", type=int, default=24)
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="keep each prompt's measurement in this JSON file as it is made; a rerun with the same file "
+                        "skips the prompts already measured")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1, as eval, attack and audit: on a shared or busy machine more "
+                        "threads than free cores run several times slower)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_option(p)
     p.set_defaults(func=cmd_verify)
 

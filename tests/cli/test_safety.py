@@ -162,6 +162,28 @@ def test_the_seed_appears_only_in_the_key_file(tiny_dir, tmp_path):
     assert key_path.read_text().count(str(seed)) == 1
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_server_files_get_ordinary_modes_and_the_key_alone_0600(tiny_dir, tmp_path, umask):
+    """The artifact is a public checkpoint: directories 0777 and files 0666 less the umask, every shard alike
+    (staging makes them 0700/0600 and safetensors' writer keeps that mode on some files), also the exported GGUF;
+    only the key is 0600."""
+    from aloepri.export.gguf import export_gguf
+
+    old = os.umask(umask)
+    try:
+        aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "key.json", EXACT, seed=1,
+                          allow_weak_seed=True, progress=False, max_shard_bytes=4096)
+        export_gguf(tmp_path / "out", tmp_path / "m.gguf", "f32")
+    finally:
+        os.umask(old)
+    entries = [tmp_path / "out", *(tmp_path / "out").rglob("*")]
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 2  # several shards, each checked
+    modes = {e.relative_to(tmp_path).as_posix(): stat.S_IMODE(e.stat().st_mode) for e in entries}
+    assert modes == {k: (0o777 if (tmp_path / k).is_dir() else 0o666) & ~umask for k in modes}
+    assert stat.S_IMODE((tmp_path / "m.gguf").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "key.json").stat().st_mode) == 0o600
+
+
 def test_key_mode_0600_and_outside_server_dir(tiny_dir, tmp_path):
     aloepri.obfuscate(tiny_dir("llama"), tmp_path / "out", tmp_path / "client" / "key.json", EXACT, seed=1,
                       allow_weak_seed=True, progress=False)

@@ -63,6 +63,16 @@ def test_accountant_edge_cases_and_remark():
     assert top_two_singular_values(w, chunk_rows=64) == pytest.approx((s[0], s[1]), rel=1e-10)
 
 
+def test_privacy_budget_explains_a_huge_or_infinite_eps():
+    from aloepri.eval.privacy import explain
+
+    huge = budget_from_matrices(torch.eye(8, 4, dtype=torch.float64) + 1, torch.eye(8, 4, dtype=torch.float64),
+                                1e-6, 1e-6)
+    assert huge.eps > 1e6 and "no meaningful differential-privacy guarantee" in explain(huge, 1e-6, 1e-6)
+    none = budget_from_matrices(torch.eye(8, 4, dtype=torch.float64), torch.eye(8, 4, dtype=torch.float64), 0, 0)
+    assert "eps   = inf" in explain(none, 0, 0) and "no guarantee at all" in explain(none, 0, 0)
+
+
 def test_privacy_budget_cli_on_tiny_model(tiny_dir, capsys):
     import argparse
 
@@ -72,8 +82,12 @@ def test_privacy_budget_cli_on_tiny_model(tiny_dir, capsys):
     ap = argparse.ArgumentParser()  # only our commands: aloepri.cli's serving imports are slow and not under test
     add_eval_commands(ap.add_subparsers(dest="command", required=True))
     src = tiny_dir("llama_bias")  # untied head: W_h differs from W_e
-    a = ap.parse_args(["privacy-budget", str(src), "--preset", "paper", "--alpha-h", "0.3", "--eps-tok", "2",
-                       "--tokens", "5"])
+    argv = ["privacy-budget", str(src), "--preset", "paper", "--alpha-h", "0.3", "--eps-tok", "2", "--tokens", "5"]
+    a = ap.parse_args(argv)
+    assert a.func(a) == 0
+    words = capsys.readouterr().out
+    assert "eps_1 = 10" in words and "What eps means" in words
+    a = ap.parse_args(argv + ["--json"])
     assert a.func(a) == 0
     out = json.loads(capsys.readouterr().out)
     w_e, w_h = load_vocab_matrices(src)
@@ -332,3 +346,20 @@ def test_fidelity_report_exact_with_tokenizer(tok_model):
     assert c["provenance"].startswith("stdlib-docstrings") and c["top1_agreement"] == 1.0
     assert "greedy_match_rate" not in c and c["perplexity"]["tokens"] == 2 * 15
     assert c["perplexity"]["relative_increase"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_fidelity_report_holds_one_model_at_a_time_with_the_same_numbers(tok_model, monkeypatch):
+    """load_and_report takes the plaintext logits (kept on disk), frees that model, then loads the obfuscated one:
+    every number equals fidelity_report's with both models in memory."""
+    from aloepri.eval.fidelity import fidelity_report, load_and_report
+    from aloepri.runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
+    from cli_helpers import one_model_at_a_time
+
+    src, server, key_path = tok_model
+    key = aloepri.load_key(key_path)
+    options = dict(prompts=3, greedy_tokens=4, corpus="stdlib-docstrings", corpus_texts_n=3, max_tokens=24)
+    both = fidelity_report(load_plain_model(src), load_obfuscated_model(server), key, load_tokenizer(key, src),
+                           **options)
+    one_model_at_a_time(monkeypatch)
+    assert load_and_report(src, server, key_path, **options) == both
+    assert both["corpus"]["max_logit_error"] > 0  # float rounding: the numbers compared are not all trivial

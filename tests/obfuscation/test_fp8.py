@@ -277,3 +277,16 @@ def test_the_output_keeps_the_source_head_counts_and_widths(arch, tiny_dir, tmp_
               "shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "v_head_dim"):
         assert cfg.get(k) == src.get(k), k
     assert cfg["hidden_size"] % cfg["num_attention_heads"] == 0
+
+
+def test_obfuscating_to_fp8_says_what_the_precision_costs(fp8_source, tmp_path, capsys):
+    """An FP8 output (the FP8 source's own precision) is announced with its measured cost, and the preset's banner
+    no longer promises plaintext logits; a float output keeps that promise."""
+    src, _ = fp8_source("qwen3")
+    rc, err = run_cli(capsys, obfuscate_args(src, tmp_path / "fp8", tmp_path / "fp8.key", "--preset", "default",
+                                             "--allow-weak-seed", "--seed", "3"))
+    assert rc == 0 and "logits are NOT the plaintext's" in err and "1.3-1.6x" in err
+    assert "reproduces plaintext logits" not in err
+    rc, err = run_cli(capsys, obfuscate_args(src, tmp_path / "f32", tmp_path / "f32.key", "--preset", "default",
+                                             "--allow-weak-seed", "--seed", "3", "--dtype", "float32"))
+    assert rc == 0 and "reproduces plaintext logits" in err and "NOT the plaintext's" not in err

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..runtime.inference import forward_cached
 from ..storage.devices import model_device
 from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_mapping
 
@@ -312,9 +313,8 @@ def _greedy_chunk(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor, st
     alive = [True] * starts_plain.shape[0]
     p_past = o_past = None
     for _ in range(steps):
-        po = plain_model(input_ids=p_in, past_key_values=p_past, use_cache=True)
-        oo = obf_model(input_ids=o_in, past_key_values=o_past, use_cache=True)
-        p_past, o_past = po.past_key_values, oo.past_key_values
+        po, p_past = forward_cached(plain_model, p_in, p_past)
+        oo, o_past = forward_cached(obf_model, o_in, o_past)
         lp = torch.log_softmax(po.logits[:, -1].float(), dim=-1).topk(2, dim=-1)
         lo = torch.log_softmax(oo.logits[:, -1].float(), dim=-1).topk(2, dim=-1)
         t, o = lp.indices[:, 0], lo.indices[:, 0]

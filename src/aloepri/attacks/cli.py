@@ -28,7 +28,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
     from . import UNAVAILABLE
     from .base import AttackTarget, Budget
     from ..storage.devices import describe_device
-    from .report import resolve_names, run_ablation, run_attacks, write_ablation, write_report
+    from .report import resolve_names, run_ablation, run_suite, write_ablation
 
     torch.set_num_threads(max(1, args.threads))
     for mod, why in UNAVAILABLE.items():
@@ -59,8 +59,10 @@ def cmd_attack(args: argparse.Namespace) -> int:
     else:
         data = private_data(target.tokenizer, args.prompts, args.seed)
         context["params"] = target.key.params
-        results = run_attacks(target, data, names, budget, args.seed)
-        j, m = write_report(results, out, context)
+        # what the figures depend on: a report in --report-dir with the same run is resumed
+        context["run"] = {k: context[k] for k in ("plain", "obfuscated", "budget", "prompts", "seed", "device",
+                                                   "batch")} | {"model_fingerprint": target.key.model_fingerprint}
+        j, m = run_suite(target, data, names, budget, out, context, args.seed, progress=not args.quiet)
     print(f"wrote {j} and {m}")
     return 0
 
@@ -100,7 +102,10 @@ def add_attack_commands(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=None,
                    help="probe sequences per forward pass for the attacks that run both models on many inputs "
                         "(behavioural); default: each stage's own (16 for output profiles); raise it on a GPU")
-    p.add_argument("--report-dir", default="attack-report", help="where the JSON and Markdown go")
+    p.add_argument("--report-dir", default="attack-report",
+                   help="where the JSON and Markdown go; written after every attack, and a rerun with the same "
+                        "directory and arguments skips the attacks it already holds")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (one line per attack instead)")
     p.add_argument("--ablation", action="store_true",
                    help="reproduce the paper's ablation table: obfuscate --plain three times (Noise / +KeyMat / "
                         "+Head&BlockPerm, base parameters from --key or --ablation-preset) and attack each")

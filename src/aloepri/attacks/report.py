@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
 import traceback
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..progress import Progress
 from .base import REGISTRY, AttackResult, AttackTarget, Budget, PrivateData
 
 
@@ -41,27 +43,76 @@ def resolve_names(names: Sequence[str] | str) -> list[str]:
 
 def run_attacks(target: AttackTarget, data: PrivateData, names: Sequence[str] | str, budget: Budget | str,
                 seed: int = 0, log: Callable[[str], None] | None = print,
-                on_result: Callable[[AttackResult], None] | None = None) -> list[AttackResult]:
+                on_result: Callable[[list[AttackResult]], None] | None = None,
+                done: dict[str, AttackResult] | None = None, progress: bool = False) -> list[AttackResult]:
     """Run the named attacks (or 'all') one after another. An attack that fails is recorded with its error (and
-    no numbers) rather than stopping the suite."""
+    no numbers) rather than stopping the suite. ``done``: results an earlier run already has (resumed), kept
+    as they are and not rerun. ``progress``: a bar with the count and an ETA on stderr (lines then go above it).
+    ``on_result`` is called after each attack with every result so far, in order."""
     budget = Budget.named(budget) if isinstance(budget, str) else budget
-    results = []
-    for name in resolve_names(names):
-        t0 = time.perf_counter()
-        try:
-            res = REGISTRY[name](target, data, budget, seed)
-            res.attack = name  # the registry name, so report rows match the CLI names
-        except Exception as err:  # noqa: BLE001 - recorded in the report, never silently
-            res = AttackResult(name, None, None, {"error": f"{type(err).__name__}: {err}",
-                                                  "traceback": traceback.format_exc(limit=5)},
-                               budget={"budget": budget.name}, seconds=time.perf_counter() - t0)
-        if log:
-            log(f"{name}: " + (f"error {res.metrics['error']}" if "error" in res.metrics else
-                               f"TTRSR {_pct(res.ttrsr)} PIIRSR {_pct(res.piirsr)} ({res.seconds:.0f} s)"))
-        results.append(res)
-        if on_result:
-            on_result(res)
-    return results
+    done = done or {}
+    names = resolve_names(names)
+    results: dict[str, AttackResult] = {n: done[n] for n in names if n in done}
+    with Progress(len(names), "attacks", unit="attack", enabled=progress, done=len(results)) as bar:
+        say = bar.note if progress else log
+        for name in names:
+            if name in results:
+                continue
+            bar.start(name)
+            t0 = time.perf_counter()
+            try:
+                res = REGISTRY[name](target, data, budget, seed)
+                res.attack = name  # the registry name, so report rows match the CLI names
+            except Exception as err:  # noqa: BLE001 - recorded in the report, never silently
+                res = AttackResult(name, None, None, {"error": f"{type(err).__name__}: {err}",
+                                                      "traceback": traceback.format_exc(limit=5)},
+                                   budget={"budget": budget.name}, seconds=time.perf_counter() - t0)
+            results[name] = res
+            bar.advance()
+            if say:
+                say(f"{name}: " + (f"error {res.metrics['error']}" if "error" in res.metrics else
+                                   f"TTRSR {_pct(res.ttrsr)} PIIRSR {_pct(res.piirsr)} ({res.seconds:.0f} s)"))
+            if on_result:
+                on_result([results[n] for n in names if n in results])
+    return [results[n] for n in names]
+
+
+def resumable_results(out_dir: str | Path, context: dict[str, Any], stem: str = "attack_report"
+                      ) -> dict[str, AttackResult]:
+    """The attacks a report in ``out_dir`` already holds for the same run (same ``context``: models, key,
+    budget, prompts, seed, ...), by name; failed ones are left out so that a rerun tries them again. Empty when
+    there is no report or it belongs to another run."""
+    path = Path(out_dir) / f"{stem}.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(old, dict) or old.get("context", {}).get("run") != context.get("run"):
+        return {}
+    kept = {}
+    for r in old.get("results", []):
+        res = AttackResult(**r)
+        if "error" not in res.metrics:
+            kept[res.attack] = res
+    return kept
+
+
+def run_suite(target: AttackTarget, data: PrivateData, names: Sequence[str], budget: Budget | str,
+              out_dir: str | Path, context: dict[str, Any], seed: int = 0, progress: bool = True,
+              log: Callable[[str], None] | None = print) -> tuple[Path, Path]:
+    """``run_attacks`` with the report in ``out_dir`` rewritten after every attack (a stopped run keeps what it
+    measured, and the report lists the attacks not run yet), resumed from a report there whose
+    ``context["run"]`` (what the figures depend on) is the same. Returns the report's paths."""
+    done = resumable_results(out_dir, context)
+    if done and log:
+        log(f"resuming: {len(done)} attack(s) already in {out_dir} are kept ({', '.join(sorted(done))})")
+
+    def save(so_far: list[AttackResult]) -> None:
+        ran = {r.attack for r in so_far}
+        write_report(so_far, out_dir, context, pending=[n for n in names if n not in ran])
+
+    results = run_attacks(target, data, names, budget, seed, log=log, on_result=save, done=done, progress=progress)
+    return write_report(results, out_dir, context)
 
 
 # --- formatting ------------------------------------------------------------------------------------------------
@@ -104,19 +155,30 @@ def markdown_table(results: Sequence[AttackResult]) -> str:
 
 
 def write_report(results: Sequence[AttackResult], out_dir: str | Path, context: dict[str, Any],
-                 stem: str = "attack_report", title: str = "Attack report") -> tuple[Path, Path]:
-    """``<stem>.json`` (every field of every result + context) and ``<stem>.md`` (the table)."""
+                 stem: str = "attack_report", title: str = "Attack report",
+                 pending: Sequence[str] = ()) -> tuple[Path, Path]:
+    """``<stem>.json`` (every field of every result + context) and ``<stem>.md`` (the table), each replaced
+    atomically. ``pending``: attacks not run yet (a report written while the suite runs says so)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx = {**context, "python": platform.python_version(),
-           "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "complete": not pending, **({"pending": list(pending)} if pending else {})}
     jpath, mpath = out / f"{stem}.json", out / f"{stem}.md"
-    jpath.write_text(json.dumps({"context": ctx, "results": [r.to_dict() for r in results]}, indent=2,
-                                default=str) + "\n")
     head = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in ctx.items()] + [""]
+    if pending:
+        head += [f"**Partial report**: {len(pending)} attack(s) not run yet: {', '.join(pending)}.", ""]
     uses = ["", "What each attack used:", ""] + [f"- **{r.attack}**: {r.uses or '(not stated)'}" for r in results]
-    mpath.write_text("\n".join(head) + markdown_table(results) + "\n" + "\n".join(uses) + "\n")
+    _replace(jpath, json.dumps({"context": ctx, "results": [r.to_dict() for r in results]}, indent=2,
+                               default=str) + "\n")
+    _replace(mpath, "\n".join(head) + markdown_table(results) + "\n" + "\n".join(uses) + "\n")
     return jpath, mpath
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader (or a rerun resuming) never sees half a report
 
 
 # --- ablation --------------------------------------------------------------------------------------------------

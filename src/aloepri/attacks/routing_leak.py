@@ -302,7 +302,9 @@ def template_prefix(target: AttackTarget, seed: int) -> tuple[list[int], str]:
 
 def run_routing_leak(target: AttackTarget, data: PrivateData, budget: Budget, seed: int, oracle: bool
                      ) -> AttackResult:
-    n_exp = num_experts(target.plain_model.config)
+    # the obfuscated checkpoint's config names its architecture (aloepri writes it; a plaintext model read from
+    # GGUF has none) and keeps the expert count
+    n_exp = num_experts(target.obf_model.config)
     n_prompts = len(data.plain_ids) if budget.scale >= 1 else max(2, int(round(len(data.plain_ids) * budget.scale)))
     cap = budget.max_tokens_scored
     plain_private = [list(p)[:cap] if cap else list(p) for p in data.plain_ids[:n_prompts]]

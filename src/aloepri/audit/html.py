@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from . import frontier as frontier_mod
 from .plan import ID_STREAM, PROVIDER
+from .verdict import below_maximum
 
 CONTEXT_FILE = "measured_context.json"
 LEVEL_COLOURS = {"reads": "#b3261e", "reads_most": "#d9480f", "reads_part": "#b7791f", "little": "#4a5568",
@@ -25,6 +26,7 @@ LEVEL_COLOURS = {"reads": "#b3261e", "reads_most": "#d9480f", "reads_part": "#b7
 LEVEL_WORDS = {"reads": "can read your prompts", "reads_most": "can read most of your prompts",
                "reads_part": "can read part of your prompts", "little": "little recovered (not proof of safety)",
                "unknown": "unknown"}
+MARKER_SHAPES = ("circle", "square", "diamond", "triangle")
 ATTACK_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
                   "#bcbd22", "#7f7f7f")
 
@@ -55,6 +57,39 @@ def _num(x: Any, fmt: str = "{:.3f}") -> str:
 
 
 # --- plot -----------------------------------------------------------------------------------------------------
+
+
+def marker(shape: str, cx: float, cy: float, r: float, colour: str, body: str = "") -> str:
+    """One attack's point: a distinct shape per attack, so points at the same place stay tellable apart."""
+    attrs = f'fill="{colour}" fill-opacity="0.85" stroke="#fff" stroke-width="1"'
+    if shape == "circle":
+        el = f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="{r}" {attrs}>'
+        end = "</circle>"
+    else:
+        if shape == "square":
+            pts = [(-r, -r), (r, -r), (r, r), (-r, r)]
+        elif shape == "diamond":
+            pts = [(0, -1.3 * r), (1.3 * r, 0), (0, 1.3 * r), (-1.3 * r, 0)]
+        else:  # triangle
+            pts = [(0, -1.3 * r), (1.2 * r, r), (-1.2 * r, r)]
+        el = '<polygon points="' + " ".join(f"{cx + dx:.1f},{cy + dy:.1f}" for dx, dy in pts) + f'" {attrs}>'
+        end = "</polygon>"
+    return el + body + end
+
+
+def spread(ys: Sequence[float], gap: float = 10.0, step: float = 14.0) -> list[float]:
+    """Horizontal offsets (pixels) for points drawn at one x: points closer than ``gap`` vertically are placed
+    side by side, centred on the x, instead of on top of each other."""
+    order = sorted(range(len(ys)), key=lambda i: ys[i])
+    offsets, group = [0.0] * len(ys), []
+    for i in order + [None]:
+        if i is not None and (not group or ys[i] - ys[group[0]] < gap):
+            group.append(i)
+            continue
+        for j, k in enumerate(group):
+            offsets[k] = (j - (len(group) - 1) / 2) * step
+        group = [i] if i is not None else []
+    return offsets
 
 
 def plot_svg(report: dict[str, Any], measured: dict[str, Any] | None = None) -> str:
@@ -106,12 +141,13 @@ def plot_svg(report: dict[str, Any], measured: dict[str, Any] | None = None) -> 
     top1 = fid.get("top1_agreement")
     ran = [a for a in report["attacks"] if a["status"] == "ran"]
     if top1 is not None:
-        for i, a in enumerate(ran):
+        offsets = spread([y(a["ttrsr"]) for a in ran])
+        for i, (a, dx) in enumerate(zip(ran, offsets)):
             colour = ATTACK_COLOURS[i % len(ATTACK_COLOURS)]
-            marker = (f'<circle cx="{x(top1):.1f}" cy="{y(a["ttrsr"]):.1f}" r="5" fill="{colour}" '
-                      f'fill-opacity="0.85"><title>{escape(a["name"])}: {_pct(a["ttrsr"])}</title></circle>')
-            parts.append(marker)
-            legend.append((f'<circle r="5" fill="{colour}"/>', f"{a['name']}: {_pct(a['ttrsr'])}"))
+            shape = MARKER_SHAPES[i % len(MARKER_SHAPES)]
+            parts.append(marker(shape, x(top1) + dx, y(a["ttrsr"]), 5, colour,
+                                f'<title>{escape(a["name"])}: {_pct(a["ttrsr"])}</title>'))
+            legend.append((marker(shape, 0, 0, 5, colour), f"{a['name']}: {_pct(a['ttrsr'])}"))
         worst = report.get("worst_prompt_token_recovery")
         if worst is not None:
             parts.append(f'<circle cx="{x(top1):.1f}" cy="{y(worst):.1f}" r="10" fill="none" stroke="#1a202c" '
@@ -147,6 +183,11 @@ def load_context(path: Any = None) -> tuple[list[dict[str, Any]] | None, str | N
         return None, f"{CONTEXT_FILE} could not be read ({type(e).__name__}: {e})"
 
 
+def at_least(o: dict[str, Any]) -> bool:
+    """An observer's figure is shown as 'at least X%': some attack did not run and X is below 100%."""
+    return bool(o["lower_bound"]) and o["recovery"] is not None and below_maximum(o["recovery"])
+
+
 def _verdict_html(report: dict[str, Any]) -> str:
     v = report["verdict"]
     lead = v[PROVIDER]
@@ -157,12 +198,12 @@ def _verdict_html(report: dict[str, Any]) -> str:
         c = LEVEL_COLOURS[o["level"]]
         out.append(f'<div class="card" style="border-color:{c}"><h3>{escape(o["who"][0].upper() + o["who"][1:])}'
                    f'</h3><span class="badge" style="background:{c}">{escape(LEVEL_WORDS[o["level"]])}'
-                   f'{" — at least " + _pct(o["recovery"]) if o["lower_bound"] and o["recovery"] is not None and o["recovery"] < 1 else ""}'
+                   f'{" — at least " + _pct(o["recovery"]) if at_least(o) else ""}'
                    f'</span><p>{escape(o["text"])}</p></div>')
     out.append("</div>")
     for w in report.get("warnings") or []:
         out.append(f'<p class="warn">Check: {escape(w)}.</p>')
-    if any(v[k]["lower_bound"] for k in (PROVIDER, ID_STREAM)):
+    if any(at_least(v[k]) for k in (PROVIDER, ID_STREAM)):
         out.append('<p class="warn">Some attacks did not run (see the table). A recovery figure is then a lower '
                    'bound: the real exposure can be higher, and a low figure cannot be read as safety. Rerun with '
                    'a larger <code>--budget</code> or install what is missing.</p>')
@@ -249,7 +290,8 @@ def render_html(report: dict[str, Any], context_path: Any = None) -> str:
         f'(h = {p.get("h_effective")}) · {escape(report["time"]["finished"] or "partial report")}</p>',
         "<h2>Who can read your prompts</h2>", _verdict_html(report),
         "<h2>Recovery against accuracy</h2>", plot_svg(report, measured),
-        '<p class="small">Each coloured point is one attack of this audit, at this setting\'s top-1 agreement. Grey '
+        '<p class="small">Each coloured point is one attack of this audit, at this setting\'s top-1 agreement '
+        "(points at the same height are set side by side, each attack with its own shape). Grey "
         "points are settings the project measured on the same model (highest recovery over the attacks run on "
         "each); the dashed line joins the ones no other setting beats on both axes. No point below the 90% line at "
         "useful accuracy means no measured setting hides the prompts from the provider there.</p>",

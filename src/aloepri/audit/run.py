@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from ..keyfile import KeyFile, check_key_matches, load_key
 from ..models import BUNDLED_MODELS, resolve_model
+from ..progress import Progress
 from ..storage.staging import check_writable_destination, clean_stale, make_staging_file
 from . import plan as plan_mod
 from .verdict import FAILED, RAN, SKIPPED, headline, verdicts
@@ -268,7 +269,6 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
     inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads)  # before any model loads
 
     import torch
-    from tqdm.auto import tqdm
 
     from ..attacks import REGISTRY, UNAVAILABLE
     from ..attacks.base import AttackTarget, Budget, has_tokenizer
@@ -332,26 +332,27 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
         }
 
     env = {"versions": versions(), "git": git_commit(), "machine": machine()}
-    bar = tqdm(total=len(to_run) + 1, desc="fidelity", unit="step", disable=not progress, dynamic_ncols=True)
-    try:
+    with Progress(len(to_run) + 1, "audit", unit="step", enabled=progress) as bar:
+        bar.start("fidelity")
         data, prompt_info = private_prompts(target, inp.prompts, inp.seed, has_tok)
         try:
             fidelity = measure_fidelity(target, inp.key, inp.budget, has_tok)
         except Exception as err:  # noqa: BLE001 - reported; the attacks still run
             fidelity = {"status": FAILED, "error": " ".join(f"{type(err).__name__}: {err}".split())}
         write_report(report(False), inp.out)
-        bar.update(1)
+        bar.advance()
         for p in to_run:
-            bar.set_description(p.name)
+            bar.start(p.name)
             r = results[p.name] = run_planned(p, target, data, attack_budget, inp.seed)
             write_report(report(False), inp.out)
+            bar.advance()
             if log:
-                with tqdm.external_write_mode():  # the line above the bar, not through it
-                    log(f"{p.name}: " + (f"{100 * r['ttrsr']:.1f}% of prompt tokens" if r["status"] == RAN
-                                         else f"{r['status']}: {r.get('reason') or r.get('error')}"))
-            bar.update(1)
-    finally:
-        bar.close()
+                line = f"{p.name}: " + (f"{100 * r['ttrsr']:.1f}% of prompt tokens" if r["status"] == RAN
+                                        else f"{r['status']}: {r.get('reason') or r.get('error')}")
+                if progress:
+                    bar.note(line)  # above the bar, not through it
+                else:
+                    log(line)
     return write_report(report(True), inp.out)
 
 

@@ -44,6 +44,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def below_maximum(recovery: float) -> bool:
+    """Whether a figure, as printed, is below 100%: only then can an attack that did not run raise it, and only
+    then do the words 'at least' / 'a lower bound' mean anything."""
+    return _pct(recovery) != _pct(1.0)
+
+
 def level_for(recovery: float) -> tuple[str, str]:
     for bound, level, words in LEVELS:
         if recovery >= bound:
@@ -77,9 +83,11 @@ def observer_verdict(observer: str, attacks: Sequence[dict[str, Any]]) -> Observ
     if level == "little":
         text += (" That is what these attacks achieved, not a guarantee: a stronger or longer attack may recover "
                  "more.")
-    if absent:
+    if absent and below_maximum(rec):
         text += (f" {len(absent)} attack(s) did not run ({_grouped(absent)}), so {_pct(rec)} is a lower bound "
                  "and cannot be read as safety.")
+    elif absent:
+        text += f" {len(absent)} attack(s) did not run ({_grouped(absent)}); they could not raise this figure."
     return ObserverVerdict(observer, who, level, rec, best["name"], bool(absent), missing, text)
 
 
@@ -101,4 +109,5 @@ def headline(v: dict[str, ObserverVerdict]) -> str:
     if p.level == "unknown":
         return "Unknown: no attack by the provider ran, so this audit cannot tell who can read your prompts."
     head = f"The provider {level_for(p.recovery)[1]}: {p.attack} recovered {_pct(p.recovery)} of the private prompt tokens"
-    return head + ("; a lower bound, since some attacks did not run." if p.lower_bound else ".")
+    lower = p.lower_bound and below_maximum(p.recovery)
+    return head + ("; a lower bound, since some attacks did not run." if lower else ".")

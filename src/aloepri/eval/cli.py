@@ -49,8 +49,8 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
 
     device = resolve_device(a.device)
     torch.set_num_threads(a.threads)
-    report = load_and_report(resolve_model(a.src), a.out, a.key, device=device, prompts=a.prompts,
-                             greedy_tokens=a.greedy_tokens,
+    report = load_and_report(resolve_model(a.src), a.out, a.key, device=device, progress=not a.quiet,
+                             results=a.results, prompts=a.prompts, greedy_tokens=a.greedy_tokens,
                              corpus=a.corpus, corpus_texts_n=a.texts, max_tokens=a.max_tokens)
     print(json.dumps(report, indent=2))
     return 0
@@ -59,7 +59,7 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
 def cmd_privacy_budget(a: argparse.Namespace) -> int:
     from ..obfuscation.params import resolve_params
     from ..runtime.perturb import sequence_epsilon
-    from .privacy import privacy_budget
+    from .privacy import explain, privacy_budget
 
     params = resolve_params(a.preset, a.preset_file, alpha_e=a.alpha_e, alpha_h=a.alpha_h)
     if a.eps1 is not None and a.eps_tok is not None:
@@ -72,7 +72,10 @@ def cmd_privacy_budget(a: argparse.Namespace) -> int:
             raise ValueError("--eps-tok needs --tokens (how many positions the client perturbs)")
         eps_1 = sequence_epsilon(a.eps_tok, a.tokens)
     b = privacy_budget(resolve_model(a.src), params.alpha_e, params.alpha_h, eps_1)
-    print(json.dumps({"alpha_e": params.alpha_e, "alpha_h": params.alpha_h, **b.to_dict()}, indent=2))
+    if a.json:
+        print(json.dumps({"alpha_e": params.alpha_e, "alpha_h": params.alpha_h, **b.to_dict()}, indent=2))
+    else:
+        print(explain(b, params.alpha_e, params.alpha_h))
     return 0
 
 
@@ -106,6 +109,10 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--prompts", type=int, default=None, help="built-in prompts (default all 20)")
     p.add_argument("--greedy-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="keep each prompt's and text's measurement in this JSON file as it is made; a rerun with "
+                        "the same file skips what was already measured")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_option(p)
     p.set_defaults(func=cmd_eval_fidelity)
 
@@ -118,4 +125,5 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--eps1", type=float, default=None, help="online token-perturbation budget eps_1 (sequence)")
     p.add_argument("--eps-tok", type=float, default=None, help="per-token budget of aloepri.runtime.perturb")
     p.add_argument("--tokens", type=int, default=None, help="perturbed positions (with --eps-tok)")
+    p.add_argument("--json", action="store_true", help="the figures as JSON instead of the explanation in words")
     p.set_defaults(func=cmd_privacy_budget)

@@ -14,10 +14,15 @@ Python version, which is recorded with every result.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
+import hashlib
 import importlib
 import inspect
+import json
 import math
 import platform
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +32,8 @@ import torch.nn.functional as F
 
 from ..corpora import CorpusNotInstalledError, corpus
 from ..keyfile import KeyFile
+from ..progress import Progress
+from ..storage.results import ResultStore
 from ..storage.devices import model_device, resolve_device
 
 # Built-in prompts for `aloepri verify` and the preset benchmark: varied tasks, short enough for CPU.
@@ -77,49 +84,193 @@ def place_models(device, *models) -> "torch.device":
     return dev
 
 
-@torch.no_grad()
+class PlainReference:
+    """The plaintext model's logits on a list of id sequences (and its greedy continuation of each), taken once so
+    that the plaintext model can be freed before the obfuscated one loads: a comparison then holds one model at a
+    time. The logits keep the model's own dtype and every metric is computed from them exactly as from a live
+    model, so the results are the same as with both models in memory.
+
+    ``spill_dir``: keep the logits there (one file per sequence, read back one at a time) rather than in memory;
+    a corpus of 32 x 128 tokens over a 152k vocabulary is 2.5 GB of float32 logits. ``skip``: one flag per
+    sequence; a flagged one is not run (its record is already in a result file: a resumed run). ``progress``
+    advances once per sequence run and counts a skipped one as done by an earlier run."""
+
+    @torch.no_grad()
+    def __init__(self, plain_model, ids_list: Sequence[Sequence[int]], greedy_tokens: int = 0,
+                 eos: int | list[int] | None = None, device=None, spill_dir: str | Path | None = None,
+                 skip: Sequence[bool] | None = None, progress: Progress | None = None):
+        dev = place_models(device, plain_model)
+        self.eos: list[int] | None = [eos] if isinstance(eos, int) else eos
+        self.ids = [list(ids) for ids in ids_list]
+        self.greedy_tokens = greedy_tokens
+        self.skipped = [bool(s) for s in skip] if skip is not None else [False] * len(self.ids)
+        if len(self.skipped) != len(self.ids):
+            raise ValueError(f"skip has {len(self.skipped)} flags for {len(self.ids)} sequences")
+        self.greedy: list[list[int] | None] = []
+        self._spill = Path(spill_dir) if spill_dir is not None else None
+        self._logits: list[torch.Tensor | None] = []
+        for i, ids in enumerate(self.ids):
+            if self.skipped[i]:
+                self._logits.append(None)
+                self.greedy.append(None)
+                if progress is not None:
+                    progress.skip()
+                continue
+            x = torch.tensor([ids], device=dev)
+            logits = plain_model(x).logits[0].cpu()
+            if self._spill is None:
+                self._logits.append(logits)
+            else:
+                torch.save(logits, self._spill / f"logits-{i}.pt")
+                self._logits.append(None)
+            del logits
+            self.greedy.append(plain_model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
+                eos_token_id=self.eos, pad_token_id=(self.eos or [0])[0])[0, x.shape[1]:].tolist()
+                if greedy_tokens else None)
+            if progress is not None:
+                progress.advance()
+
+    def logits(self, i: int, device) -> torch.Tensor:
+        if self.skipped[i]:
+            raise KeyError(f"sequence {i} was skipped (its record was kept by an earlier run), it has no logits")
+        if self._spill is None:
+            return self._logits[i].to(device)
+        return torch.load(self._spill / f"logits-{i}.pt", weights_only=True).to(device)
+
+
+class ModelPair:
+    """The obfuscated model against the plaintext side (a ``PlainReference``: the plaintext model's logits and
+    greedy continuations, taken before), on one device, with the key's maps between their ids (identity when
+    ``key`` is None: the second model reads plaintext ids too)."""
+
+    def __init__(self, reference: PlainReference, obf_model, key: KeyFile | None, device=None):
+        self.reference, self.obf, self.key = reference, obf_model, key
+        self.dev = place_models(device, obf_model)
+        self.encode = key.encode_ids if key is not None else list
+        self.decode = key.decode_ids if key is not None else list
+        self.perm = torch.from_numpy(key.permutation).to(self.dev) if key is not None else None
+
+    @torch.no_grad()
+    def measure(self, i: int, nll: bool = False) -> dict:
+        """Text ``i`` of the reference's sums: agreeing positions, KL, max logit error, and (``nll``) both models'
+        next-token NLL, from one forward pass of the obfuscated model; with the reference's ``greedy_tokens``,
+        whether the greedy continuations match. The metrics are taken in float64 (element-wise work on one text's
+        logits, cheap even where float64 matrix products are slow)."""
+        ids = self.reference.ids[i]
+        xo = torch.tensor([self.encode(ids)], device=self.dev)
+        lp = self.reference.logits(i, self.dev).double()
+        lo = self.obf(xo).logits[0].double()
+        if self.perm is not None:
+            lo = lo[:, self.perm]  # column i = obfuscated logit of plain token i
+        rec: dict = {}
+        if nll:
+            target = torch.tensor(ids[1:], device=self.dev)
+            rec.update(nll_plain=float(F.cross_entropy(lp[:-1], target, reduction="sum")),
+                       nll_obfuscated=float(F.cross_entropy(lo[:-1], target, reduction="sum")),
+                       nll_tokens=target.numel())
+        n = min(lp.shape[-1], lo.shape[-1])
+        lp, lo = lp[:, :n], lo[:, :n]
+        rec.update(agree=int((lp.argmax(-1) == lo.argmax(-1)).sum()),
+                   kl=float(F.kl_div(F.log_softmax(lo, -1), F.log_softmax(lp, -1), log_target=True, reduction="sum")),
+                   max_err=float((lp - lo).abs().max()), positions=lp.shape[0])
+        greedy_tokens, eos = self.reference.greedy_tokens, self.reference.eos
+        if greedy_tokens:
+            eo = self.encode(eos) if eos else None
+            go = self.obf.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens,
+                                   do_sample=False, eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:]
+            rec["greedy_same"] = int(self.decode(go.tolist()) == self.reference.greedy[i])
+        return rec
+
+
+def _record_key(scope: str, section: str, ids: Sequence[int], greedy_tokens: int, nll: bool) -> str:
+    return hashlib.sha256(json.dumps([scope, section, list(ids), greedy_tokens, nll]).encode()).hexdigest()[:20]
+
+
+def kept_records(store: ResultStore | None, ids_list: Sequence[Sequence[int]], greedy_tokens: int, nll: bool = False,
+                 section: str = "prompts", scope: str = "") -> list[dict | None]:
+    """Per text, the record an earlier run of the same ``scope`` kept in ``store`` (None: not measured yet)."""
+    if store is None:
+        return [None] * len(ids_list)
+    data = store.load()
+    out = []
+    for ids in ids_list:
+        kept = data.get(_record_key(scope, section, ids, greedy_tokens, nll))
+        out.append(kept["record"] if kept is not None and kept.get("status") == "done" else None)
+    return out
+
+
+def measure_texts(pair: ModelPair, nll: bool = False, section: str = "prompts", progress: Progress | None = None,
+                  store: ResultStore | None = None, scope: str = "") -> list[dict]:
+    """``ModelPair.measure`` of every text of the pair's reference, in order. ``progress`` advances once per text;
+    ``store`` keeps every text's record as soon as it is measured and hands back the records an earlier run of the
+    same ``scope`` (the models and settings, see ``record_scope``) already measured, so a stopped run resumes (the
+    reference need not have run those texts: see ``PlainReference``'s ``skip``)."""
+    reference, records = pair.reference, []
+    for i, ids in enumerate(reference.ids):
+        key = None
+        if store is not None:
+            key = _record_key(scope, section, ids, reference.greedy_tokens, nll)
+            kept = store.load().get(key)
+            if kept is not None and kept.get("status") == "done":
+                records.append(kept["record"])
+                if progress is not None:
+                    progress.skip()
+                continue
+        if reference.skipped[i]:
+            raise RuntimeError(f"{store.path if store is not None else 'no results file'}: the record of a text "
+                               "this run skipped is gone (the file changed during the run); run again")
+        rec = pair.measure(i, nll)
+        if store is not None:
+            store.put(key, {"section": section, "record": rec})
+        records.append(rec)
+        if progress is not None:
+            progress.advance()
+    return records
+
+
+def record_scope(src: str | Path, server_dir: str | Path, key: KeyFile, device) -> str:
+    """What a stored fidelity record depends on besides its text: the two models and where they ran."""
+    return json.dumps([str(src), str(server_dir), key.model_fingerprint, str(device)])
+
+
+def fidelity_of(records: Sequence[dict], greedy_tokens: int) -> "Fidelity":
+    n_pos = sum(r["positions"] for r in records)
+    return Fidelity(sum(r["agree"] for r in records) / n_pos, sum(r["kl"] for r in records) / n_pos,
+                    max(r["max_err"] for r in records), sum(r.get("greedy_same", 0) for r in records) /
+                    max(1, len(records)), n_pos, len(records), greedy_tokens)
+
+
+def perplexity_of(records: Sequence[dict]) -> "Perplexity":
+    n = sum(r["nll_tokens"] for r in records)
+    if n == 0:
+        raise ValueError("no text with at least 2 tokens")
+    nll_p, nll_o = sum(r["nll_plain"] for r in records), sum(r["nll_obfuscated"] for r in records)
+    return Perplexity(math.exp(nll_p / n), math.exp(nll_o / n), n, len(records), nll_p / n, nll_o / n)
+
+
 def compare(plain_model, obf_model, key: KeyFile | None, prompts_ids: Sequence[Sequence[int]],
-            greedy_tokens: int = 24, device=None) -> Fidelity:
+            greedy_tokens: int = 24, device=None, progress: Progress | None = None) -> Fidelity:
     """``obf_model`` against ``plain_model`` on the same plaintext prompts. ``key=None``: the second model takes
     plaintext ids too (a plaintext model in another dtype or engine, e.g. the float32 floor of a float64 one).
 
     ``device`` ('cpu', 'cuda', ...): both models are moved there (in place) and run there; None keeps them where
-    they are. The metrics are taken in float64 on that device (element-wise work on one prompt's logits, cheap
-    even where float64 matrix products are slow) and returned as Python numbers."""
+    they are. Returned as Python numbers. The plaintext side is taken first (``PlainReference``); ``progress``
+    advances once per prompt compared."""
     dev = place_models(device, plain_model, obf_model)
-    encode = key.encode_ids if key is not None else list
-    decode = key.decode_ids if key is not None else list
-    perm = torch.from_numpy(key.permutation).to(dev) if key is not None else None
-    agree = 0
-    kl_sum = torch.zeros((), dtype=torch.float64, device=dev)
-    max_err = torch.zeros((), dtype=torch.float64, device=dev)
-    n_pos = 0
-    greedy_same = 0
-    eos_plain = (key.special_tokens.get("eos_token_id") if key is not None
-                 else plain_model.generation_config.eos_token_id)
-    eos_plain = [eos_plain] if isinstance(eos_plain, int) else eos_plain
-    for ids in prompts_ids:
-        x = torch.tensor([list(ids)], device=dev)
-        xo = torch.tensor([encode(list(ids))], device=dev)
-        lp = plain_model(x).logits[0].double()
-        lo = obf_model(xo).logits[0].double()
-        if perm is not None:
-            lo = lo[:, perm]  # column i = obfuscated logit of plain token i
-        n = min(lp.shape[-1], lo.shape[-1])
-        lp, lo = lp[:, :n], lo[:, :n]
-        agree += int((lp.argmax(-1) == lo.argmax(-1)).sum())
-        kl_sum += F.kl_div(F.log_softmax(lo, -1), F.log_softmax(lp, -1), log_target=True, reduction="sum")
-        max_err = torch.maximum(max_err, (lp - lo).abs().max())
-        n_pos += lp.shape[0]
-        if greedy_tokens:
-            gp = plain_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
-                                      eos_token_id=eos_plain, pad_token_id=(eos_plain or [0])[0])[0, x.shape[1]:].tolist()
-            eo = encode(eos_plain) if eos_plain else None
-            go = obf_model.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens, do_sample=False,
-                                    eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:].tolist()
-            greedy_same += int(decode(go) == gp)
-    return Fidelity(agree / n_pos, float(kl_sum) / n_pos, float(max_err), greedy_same / max(1, len(prompts_ids)),
-                    n_pos, len(prompts_ids), greedy_tokens)
+    eos = key.special_tokens.get("eos_token_id") if key is not None else plain_model.generation_config.eos_token_id
+    reference = PlainReference(plain_model, prompts_ids, greedy_tokens, eos, dev)
+    return compare_with_reference(reference, obf_model, key, dev, progress=progress)
+
+
+def compare_with_reference(reference: PlainReference, obf_model, key: KeyFile | None, device=None,
+                           progress: Progress | None = None, store: ResultStore | None = None,
+                           scope: str = "") -> Fidelity:
+    """``compare`` with the plaintext side already taken (``PlainReference``): only ``obf_model`` is needed.
+    ``progress``, ``store`` and ``scope``: as for ``measure_texts``."""
+    records = measure_texts(ModelPair(reference, obf_model, key, device), progress=progress, store=store,
+                            scope=scope)
+    return fidelity_of(records, reference.greedy_tokens)
 
 
 def builtin_prompt_ids(tokenizer, vocab_size: int, n: int | None = None, seed: int = 0) -> list[list[int]]:
@@ -215,64 +366,160 @@ class Perplexity:
         return {**asdict(self), "relative_increase": self.relative_increase}
 
 
-@torch.no_grad()
 def perplexity_pair(plain_model, obf_model, key: KeyFile, ids_list: Sequence[Sequence[int]],
                     device=None) -> Perplexity:
     """Perplexity of both models on the same plaintext ids (obfuscated logits mapped back by the key).
     ``device``: as for ``compare`` (models moved there in place; None = where they are)."""
     dev = place_models(device, plain_model, obf_model)
-    perm = torch.from_numpy(key.permutation).to(dev)
-    nll_p = torch.zeros((), dtype=torch.float64, device=dev)
-    nll_o = torch.zeros((), dtype=torch.float64, device=dev)
-    n = 0
-    for ids in ids_list:
-        x = torch.tensor([list(ids)], device=dev)
-        lp = plain_model(x).logits[0, :-1].double()
-        lo = obf_model(torch.tensor([key.encode_ids(list(ids))], device=dev)).logits[0, :-1].double()[:, perm]
-        target = x[0, 1:]
-        nll_p += F.cross_entropy(lp, target, reduction="sum")
-        nll_o += F.cross_entropy(lo, target, reduction="sum")
-        n += target.numel()
-    if n == 0:
-        raise ValueError("no text with at least 2 tokens")
-    nll_p, nll_o = float(nll_p), float(nll_o)
-    return Perplexity(math.exp(nll_p / n), math.exp(nll_o / n), n, len(ids_list), nll_p / n, nll_o / n)
+    return perplexity_with_reference(PlainReference(plain_model, ids_list, device=dev), obf_model, key, dev)
+
+
+def perplexity_with_reference(reference: PlainReference, obf_model, key: KeyFile, device=None) -> Perplexity:
+    """``perplexity_pair`` with the plaintext side already taken: only ``obf_model`` is needed."""
+    return perplexity_of(measure_texts(ModelPair(reference, obf_model, key, device), nll=True))
+
+
+def fidelity_steps(prompts: int | None, tokenizer, corpus_texts_n: int) -> int:
+    """How many texts ``fidelity_report`` measures (for a progress bar's total): prompts, then corpus texts."""
+    n_prompts = len(BUILTIN_PROMPTS[:prompts] if prompts else BUILTIN_PROMPTS)
+    return n_prompts + (corpus_texts_n if tokenizer is not None and corpus_texts_n else 0)
+
+
+@dataclass
+class ReportTexts:
+    """The ids ``fidelity_report`` measures: the built-in prompts, and (with a tokenizer) the corpus texts."""
+    prompts: list[list[int]]
+    corpus: list[list[int]] | None = None
+    corpus_provenance: str | None = None
+    max_tokens: int = 128
+
+    @property
+    def count(self) -> int:
+        return len(self.prompts) + len(self.corpus or [])
+
+
+def report_texts(key: KeyFile, tokenizer, prompts: int | None = None, corpus: str | None = None,
+                 corpus_texts_n: int = 32, max_tokens: int = 128) -> ReportTexts:
+    texts = ReportTexts(builtin_prompt_ids(tokenizer, key.vocab_size, prompts), max_tokens=max_tokens)
+    if tokenizer is not None and corpus_texts_n:
+        corpus_list, texts.corpus_provenance = corpus_texts(corpus, corpus_texts_n)
+        texts.corpus = corpus_ids(tokenizer, corpus_list, max_tokens)
+    return texts
+
+
+class ReportReferences:
+    """The plaintext side of ``fidelity_report`` (see ``PlainReference``): the model can be freed after this.
+    ``texts``: the ids to run (``report_texts``; by default from the other arguments). ``store`` and ``scope``:
+    texts whose records an earlier run kept are not run; ``progress`` advances once per text."""
+
+    def __init__(self, plain_model, key: KeyFile, tokenizer, prompts: int | None = None, greedy_tokens: int = 24,
+                 corpus: str | None = None, corpus_texts_n: int = 32, max_tokens: int = 128, device=None,
+                 spill_dir: str | Path | None = None, texts: ReportTexts | None = None,
+                 progress: Progress | None = None, store: ResultStore | None = None, scope: str = ""):
+        dev = place_models(device, plain_model)
+        if texts is None:
+            texts = report_texts(key, tokenizer, prompts, corpus, corpus_texts_n, max_tokens)
+        eos = key.special_tokens.get("eos_token_id")
+        done = [r is not None for r in kept_records(store, texts.prompts, greedy_tokens, False, "prompts", scope)]
+        self.prompts = PlainReference(plain_model, texts.prompts, greedy_tokens, eos, dev,
+                                      _subdir(spill_dir, "prompts"), skip=done, progress=progress)
+        self.corpus: PlainReference | None = None
+        self.corpus_provenance, self.max_tokens = texts.corpus_provenance, texts.max_tokens
+        if texts.corpus is not None:
+            done = [r is not None for r in kept_records(store, texts.corpus, 0, True, "corpus", scope)]
+            self.corpus = PlainReference(plain_model, texts.corpus, 0, eos, dev, _subdir(spill_dir, "corpus"),
+                                         skip=done, progress=progress)
+
+
+def _subdir(parent: str | Path | None, name: str) -> Path | None:
+    if parent is None:
+        return None
+    path = Path(parent) / name
+    path.mkdir()
+    return path
 
 
 def fidelity_report(plain_model, obf_model, key: KeyFile, tokenizer, prompts: int | None = None,
                     greedy_tokens: int = 24, corpus: str | None = None, corpus_texts_n: int = 32,
-                    max_tokens: int = 128, device=None) -> dict:
-    """Everything at once: prompt fidelity (built-in chat prompts), corpus top-1/KL and perplexity, on ``device``
-    (models moved there in place; None = where they are)."""
+                    max_tokens: int = 128, device=None, progress: Progress | None = None,
+                    store: ResultStore | None = None, scope: str = "") -> dict:
+    """Everything at once: prompt fidelity (built-in chat prompts), corpus top-1/KL and perplexity (one forward
+    pass of each model per corpus text), on ``device`` (models moved there in place; None = where they are).
+    The plaintext side is taken first (``ReportReferences``). ``progress`` (advancing once per text compared,
+    ``fidelity_steps`` of them) and ``store``: as for ``measure_texts``."""
     dev = place_models(device, plain_model, obf_model)
-    prompt_ids = builtin_prompt_ids(tokenizer, key.vocab_size, prompts)
-    fid: Fidelity = compare(plain_model, obf_model, key, prompt_ids, greedy_tokens=greedy_tokens, device=dev)
+    texts = report_texts(key, tokenizer, prompts, corpus, corpus_texts_n, max_tokens)
+    if progress is not None and texts.corpus is not None and len(texts.corpus) < corpus_texts_n:
+        progress.set_total(progress.total - (corpus_texts_n - len(texts.corpus)))  # short or missing texts
+    references = ReportReferences(plain_model, key, tokenizer, greedy_tokens=greedy_tokens, device=dev, texts=texts,
+                                  store=store, scope=scope)
+    return report_with_references(references, obf_model, key, dev, progress=progress, store=store, scope=scope)
+
+
+def report_with_references(references: ReportReferences, obf_model, key: KeyFile, device=None,
+                           progress: Progress | None = None, store: ResultStore | None = None,
+                           scope: str = "") -> dict:
+    """``fidelity_report`` with the plaintext side already taken: only ``obf_model`` is needed. ``progress``,
+    ``store`` and ``scope``: as for ``measure_texts``."""
+    kept = dict(progress=progress, store=store, scope=scope)
+    fid = compare_with_reference(references.prompts, obf_model, key, device, **kept)
     report = {"prompts": fid.to_dict()}
-    if tokenizer is not None:
-        texts, prov = corpus_texts(corpus, corpus_texts_n)
-        ids = corpus_ids(tokenizer, texts, max_tokens)
-        teacher_forced = compare(plain_model, obf_model, key, ids, greedy_tokens=0, device=dev).to_dict()
+    if references.corpus is not None:
+        records = measure_texts(ModelPair(references.corpus, obf_model, key, device), nll=True, section="corpus",
+                                **kept)
+        teacher_forced = fidelity_of(records, 0).to_dict()
         for k in ("greedy_match_rate", "greedy_tokens"):  # no greedy continuation is run on corpus text
             teacher_forced.pop(k)
-        report["corpus"] = {"provenance": prov, "max_tokens": max_tokens, **teacher_forced,
-                            "perplexity": perplexity_pair(plain_model, obf_model, key, ids, device=dev).to_dict()}
+        report["corpus"] = {"provenance": references.corpus_provenance, "max_tokens": references.max_tokens,
+                            **teacher_forced, "perplexity": perplexity_of(records).to_dict()}
     return report
 
 
-def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, device=None, **kwargs) -> dict:
-    """``fidelity_report`` of the obfuscated directory against its source, both loaded on ``device`` (default
-    cpu; an invalid or absent device is refused before anything is loaded)."""
-    from ..runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
+def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Path, device=None,
+                    progress: bool = False, results: str | Path | None = None, prompts: int | None = None,
+                    greedy_tokens: int = 24, corpus: str | None = None, corpus_texts_n: int = 32,
+                    max_tokens: int = 128) -> dict:
+    """``fidelity_report`` of the obfuscated directory against its source, on ``device`` (default cpu; an invalid
+    or absent device is refused before anything is loaded). One model is in memory at a time: the plaintext
+    model's outputs are taken (its logits kept in a temporary directory) and it is freed before the obfuscated
+    model loads. ``progress``: a bar on stderr, two steps per text (the plaintext model's pass, then the
+    obfuscated model's); ``results``: a JSON file that keeps every text's measurement as it is made, so a rerun
+    with the same file resumes (aloepri.storage.results): neither model is run again on a text it holds."""
+    from ..runtime import inference
     from ..keyfile import check_key_matches, load_key
 
     dev = resolve_device(device)
     key = load_key(key_path)
     check_key_matches(key, server_dir)
-    tok = load_tokenizer(key, src if Path(src).is_file() else None)
-    plain = load_plain_model(src, device=dev)
-    obf = load_obfuscated_model(server_dir, device=dev)
-    return fidelity_report(plain, obf, key, tok, device=dev, **kwargs)
+    tok = inference.load_tokenizer(key, src if Path(src).is_file() else None)
+    store = ResultStore(results) if results is not None else None
+    scope = record_scope(src, server_dir, key, dev)
+    texts = report_texts(key, tok, prompts, corpus, corpus_texts_n, max_tokens)
+    with tempfile.TemporaryDirectory(prefix="aloepri-reference-") as spill:
+        plain = inference.load_plain_model(src, device=dev)
+        with Progress(2 * texts.count, "fidelity", unit="step", enabled=progress) as bar:
+            bar.start("plaintext model")
+            references = ReportReferences(plain, key, tok, greedy_tokens=greedy_tokens, device=dev,
+                                          spill_dir=spill, texts=texts, progress=bar, store=store, scope=scope)
+            del plain
+            release_memory()
+            bar.start("obfuscated model")
+            obf = inference.load_obfuscated_model(server_dir, device=dev)
+            return report_with_references(references, obf, key, dev, progress=bar, store=store, scope=scope)
 
 
-__all__ = ["BUILTIN_PROMPTS", "Fidelity", "Perplexity", "builtin_prompt_ids", "compare", "corpus_ids", "corpus_texts",
-           "fidelity_report", "load_and_report", "perplexity_pair", "stdlib_docstring_paragraphs"]
+def release_memory() -> None:
+    """Return a freed model's memory: collect it (transformers modules hold reference cycles) and hand the freed
+    heap back to the OS (glibc keeps large freed arenas otherwise, and the next model would be counted on top)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass
+
+
+__all__ = ["BUILTIN_PROMPTS", "Fidelity", "ModelPair", "Perplexity", "PlainReference", "ReportReferences",
+           "ReportTexts", "builtin_prompt_ids", "compare", "compare_with_reference", "corpus_ids", "corpus_texts",
+           "fidelity_report", "fidelity_steps", "kept_records", "load_and_report", "measure_texts",
+           "perplexity_pair", "perplexity_with_reference", "record_scope", "release_memory", "report_texts",
+           "report_with_references", "stdlib_docstring_paragraphs"]

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..runtime.inference import forward_cached
 from ..storage.devices import model_device
 
 # Fixed CI subset: every 8th problem (20 problems, HumanEval/0 ... HumanEval/152), spread over the set so it
@@ -169,8 +170,8 @@ def greedy_until(model, prompt_ids: Sequence[int], decode_text: Callable[[list[i
     """
     dev = model_device(model)
     x = torch.tensor([to_server(list(prompt_ids))], device=dev)
-    out = model(input_ids=x, use_cache=True)
-    past, plain_out = out.past_key_values, []
+    out, past = forward_cached(model, x)
+    plain_out = []
     eos = set(eos_plain)
     for _ in range(max_new_tokens):
         server_tok = int(out.logits[0, -1].argmax())
@@ -181,8 +182,7 @@ def greedy_until(model, prompt_ids: Sequence[int], decode_text: Callable[[list[i
         text, stopped = truncate_at_stop(decode_text(plain_out), stops)
         if stopped:
             return plain_out, text, True
-        out = model(input_ids=torch.tensor([[server_tok]], device=dev), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out, past = forward_cached(model, torch.tensor([[server_tok]], device=dev), past)
     return plain_out, decode_text(plain_out), False
 
 

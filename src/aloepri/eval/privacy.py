@@ -101,6 +101,44 @@ class PrivacyBudget:
         return {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
 
 
+# Differential-privacy bounds are usually read as meaningful up to an epsilon of about 10 (the bound on a
+# likelihood ratio is then e^10 or so); far above that a bound constrains nothing an attacker does.
+MEANINGFUL_EPS = 10.0
+
+
+def _num(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.3g}"
+
+
+def explain(b: PrivacyBudget, alpha_e: float, alpha_h: float) -> str:
+    """The budget in words: each figure, what eps bounds, and whether the bound means anything."""
+    online = ("none (no online token perturbation; --eps1 or --eps-tok with --tokens sets one)"
+              if math.isinf(b.eps_1) else _num(b.eps_1))
+    lines = [
+        f"RmDP privacy budget (the AloePri paper's Theorem, Renyi order {b.alpha:g}), vocabulary n = {b.vocab_size}",
+        f"  noise: alpha_e {alpha_e:g} (embedding), alpha_h {alpha_h:g} (head)",
+        f"  eps_e = {_num(b.eps_e)}, eps_h = {_num(b.eps_h)}  (from the embedding and head noise)",
+        f"  eps_2 = {_num(b.eps_2)}  (offline phase: the obfuscated weights, per unit of permutation distance)",
+        f"  eps_1 = {online}",
+        f"  eps   = {_num(b.eps)}  (composed)",
+        "",
+        "What eps means: it bounds how far the server's view can move (a Renyi divergence) between two secret "
+        "vocabulary permutations one swap apart; smaller is more private. Such a bound is usually read as "
+        f"meaningful up to about eps = {MEANINGFUL_EPS:g}.",
+    ]
+    if math.isinf(b.eps):
+        verdict = ("eps is inf: without noise (and without token perturbation) the theorem gives no guarantee at "
+                   "all.")
+    elif b.eps > MEANINGFUL_EPS:
+        verdict = (f"eps = {_num(b.eps)} is far above that: this setting has no meaningful differential-privacy "
+                   "guarantee (the bound holds, but it rules out nothing an attacker can do).")
+    else:
+        verdict = f"eps = {_num(b.eps)} is within that range: a meaningful bound in the theorem's sense."
+    lines += [verdict, "The bound is not a measured attack: `aloepri audit` measures what attacks actually recover. "
+              "--json prints these figures as JSON."]
+    return "\n".join(lines)
+
+
 def budget_from_matrices(w_e, w_h, alpha_e: float, alpha_h: float, eps_1: float = math.inf,
                          alpha: float = RENYI_ORDER) -> PrivacyBudget:
     """The Theorem's numbers for plaintext W_e, W_h and aloepri's noise multipliers alpha_e, alpha_h."""

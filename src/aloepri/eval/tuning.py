@@ -2,15 +2,13 @@
 
 A *setting* is (source model, ObfuscationParams, seed). ``evaluate_setting`` obfuscates once, then measures
 fidelity against the plaintext model and runs the attacks of ``aloepri.attacks`` on that very output, so privacy
-and accuracy always come from the same run. ``ResultStore`` keeps results in one JSON file that several processes
+and accuracy always come from the same run. ``ResultStore`` (aloepri.storage.results) keeps results in one JSON file that several processes
 can share (an exclusive lock around every read-modify-write; a setting is claimed before it is computed), so a
 sweep resumes where it stopped and two workers on two cores split it. ``tune`` searches a candidate list for the
 setting with the lowest attack success inside an accuracy budget and writes a preset file for ``obfuscate``.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -18,11 +16,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from ..obfuscation.params import ObfuscationParams
+from ..progress import Progress
+from ..storage.results import ResultStore
 
 # Attacks used when none are named: every registered attack that needs no training run (the trained ones, IMA
 # and SDA, are minutes each even at small budgets; name them explicitly to include them). "behavioural" (run both
@@ -54,59 +54,6 @@ class Criterion:
 def setting_key(model: str, params: ObfuscationParams, seed: int, extra: dict[str, Any] | None = None) -> str:
     blob = json.dumps({"model": model, "params": params.to_dict(), "seed": seed, **(extra or {})}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-class ResultStore:
-    """One JSON file of {key: entry}; entries are {"status": "running"|"done", ...}. Safe for parallel workers."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_path = self.path.with_suffix(self.path.suffix + ".lock")
-
-    @contextlib.contextmanager
-    def _locked(self):
-        with open(self._lock_path, "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                data = json.loads(self.path.read_text()) if self.path.exists() else {}
-                yield data
-                tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-                os.replace(tmp, self.path)  # readers never see a half-written file
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def load(self) -> dict[str, Any]:
-        return json.loads(self.path.read_text()) if self.path.exists() else {}
-
-    def claim(self, key: str, info: dict[str, Any]) -> bool:
-        """True if this process should compute ``key``: not done and not running in a live process."""
-        with self._locked() as data:
-            entry = data.get(key)
-            if entry and entry.get("status") == "done":
-                return False
-            if entry and entry.get("status") == "running" and _alive(entry.get("pid")) and entry.get("pid") != os.getpid():
-                return False
-            data[key] = {**info, "status": "running", "pid": os.getpid(), "started": time.time()}
-            return True
-
-    def put(self, key: str, entry: dict[str, Any]) -> None:
-        with self._locked() as data:
-            data[key] = {**entry, "status": "done"}
-
-    def release(self, key: str) -> None:
-        with self._locked() as data:
-            if data.get(key, {}).get("status") == "running":
-                del data[key]
-
-
-def _alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-        return True
-    except (OSError, TypeError, ValueError):
-        return False
 
 
 @dataclass
@@ -147,8 +94,10 @@ class Evaluator:
         self._fid_ids = builtin_prompt_ids(self._tok, self._plain.config.vocab_size, self.fidelity_prompts)
         self._data = private_prompts(self._tok, self.private_prompts, seed=0)
 
-    def evaluate(self, params: ObfuscationParams, seed: int, workdir: Path | None = None) -> dict[str, Any]:
-        """Obfuscate with ``params``/``seed``, then fidelity and every attack on that output."""
+    def evaluate(self, params: ObfuscationParams, seed: int, workdir: Path | None = None,
+                 stage: Callable[[str], None] = lambda what: None) -> dict[str, Any]:
+        """Obfuscate with ``params``/``seed``, then fidelity and every attack on that output; ``stage`` is told
+        what runs now (for a progress bar)."""
         from transformers import AutoModelForCausalLM
 
         from ..obfuscation.pipeline import obfuscate
@@ -156,12 +105,15 @@ class Evaluator:
         from .fidelity import compare
         from ..keyfile import load_key
 
+        stage("loading the plaintext model")
         self._prepare()
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=workdir) as tmp:
             out, key_path = Path(tmp) / "model", Path(tmp) / "key.json"
+            stage("obfuscating")
             obfuscate(self.src, out, key_path, params, seed=seed, allow_weak_seed=True, progress=False)
             key = load_key(key_path)
+            stage("fidelity")
             obf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
             fid = compare(self._plain, obf, key, self._fid_ids, greedy_tokens=self.greedy_tokens).to_dict()
             del obf
@@ -169,7 +121,8 @@ class Evaluator:
             target.__dict__["plain_model"] = self._plain  # share the loaded plaintext model (cached_property slot)
             target.__dict__["tokenizer"] = self._tok
             attacks = {}
-            for name in self.attacks:
+            for i, name in enumerate(self.attacks):
+                stage(f"attack {i + 1}/{len(self.attacks)} {name}")
                 res = REGISTRY[name](target, self._data, Budget.named(self.budget), seed)
                 attacks[name] = {"ttrsr": res.ttrsr, "piirsr": res.piirsr, "seconds": res.seconds,
                                  "budget": res.budget, **{k: v for k, v in res.metrics.items()
@@ -182,28 +135,36 @@ class Evaluator:
 
 def sweep(evaluator: Evaluator, settings: Iterable[ObfuscationParams], store: ResultStore, seed: int = 1,
           label: str = "", progress: bool = True) -> list[dict[str, Any]]:
-    """Evaluate every setting not yet in ``store`` (resumable; run it from two processes to use two cores)."""
+    """Evaluate every setting not yet in ``store`` (resumable; run it from two processes to use two cores), with
+    a progress bar per setting (count, ETA) that names the stage running now."""
+    settings = list(settings)
+    extra = {"attacks": sorted(evaluator.attacks), "budget": evaluator.budget,
+             "fidelity_prompts": evaluator.fidelity_prompts, "private_prompts": evaluator.private_prompts}
+    keys = [setting_key(str(evaluator.src.name), params, seed, extra) for params in settings]
+    stored = store.load()
+    already = sum(stored.get(k, {}).get("status") == "done" for k in keys)
     done = []
-    for params in settings:
-        extra = {"attacks": sorted(evaluator.attacks), "budget": evaluator.budget,
-                 "fidelity_prompts": evaluator.fidelity_prompts, "private_prompts": evaluator.private_prompts}
-        key = setting_key(str(evaluator.src.name), params, seed, extra)
-        if not store.claim(key, {"label": label, "params": params.to_dict()}):
-            entry = store.load().get(key)
-            if entry and entry.get("status") == "done":
-                done.append(entry)
-            continue
-        try:
-            entry = {"label": label, "model": evaluator.src.name, **evaluator.evaluate(params, seed)}
-        except BaseException:
-            store.release(key)
-            raise
-        store.put(key, entry)
-        done.append(entry)
-        if progress:
+    with Progress(len(settings), label or "settings", unit="setting", enabled=progress, done=already) as bar:
+        for params, key in zip(settings, keys):
+            if not store.claim(key, {"label": label, "params": params.to_dict()}):
+                entry = store.load().get(key)
+                if entry and entry.get("status") == "done":
+                    done.append(entry)
+                continue
+            summary = params_summary(params)
+            bar.start(summary)
+            try:
+                entry = {"label": label, "model": evaluator.src.name,
+                         **evaluator.evaluate(params, seed, stage=lambda what: bar.start(f"{summary}: {what}"))}
+            except BaseException:
+                store.release(key)
+                raise
+            store.put(key, entry)
+            done.append(entry)
+            bar.advance()
             f = entry["fidelity"]
-            print(f"[{label}] top-1 {f['top1_agreement']:.3f} KL {f['mean_kl']:.4f} max TTRSR "
-                  f"{entry['max_ttrsr']} ({entry['seconds']:.0f} s) {params_summary(params)}", flush=True)
+            bar.note(f"[{label}] top-1 {f['top1_agreement']:.3f} KL {f['mean_kl']:.4f} max TTRSR "
+                     f"{entry['max_ttrsr']} ({entry['seconds']:.0f} s) {summary}")
     return done
 
 
@@ -252,10 +213,10 @@ def choose(results: Sequence[dict[str, Any]], criterion: Criterion) -> dict[str,
 
 
 def tune(evaluator: Evaluator, criterion: Criterion, candidates: Sequence[ObfuscationParams], store: ResultStore,
-         out_file: str | Path, seed: int = 1) -> dict[str, Any]:
+         out_file: str | Path, seed: int = 1, progress: bool = True) -> dict[str, Any]:
     """Evaluate the candidates (resumable), pick the most attack-resistant admissible one, write a preset file
     that ``aloepri obfuscate --preset-file`` takes. Raises ValueError when no candidate meets the budget."""
-    results = sweep(evaluator, candidates, store, seed=seed, label="tune")
+    results = sweep(evaluator, candidates, store, seed=seed, label="tune", progress=progress)
     best = choose(results, criterion)
     table = [{"params": params_summary(ObfuscationParams.from_dict(r["params"])),
               "top1": r["fidelity"]["top1_agreement"], "kl": r["fidelity"]["mean_kl"], "max_ttrsr": r["max_ttrsr"],
@@ -292,6 +253,8 @@ def add_tune_commands(sub) -> None:
     p.add_argument("--private-prompts", type=int, default=30, help="PII prompts the attacks try to recover")
     p.add_argument("--results", default=None, help="resumable results JSON (default: next to --out)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_tune)
 
 
@@ -300,6 +263,7 @@ def _cmd_tune(a) -> int:
 
     if a.max_kl is None and a.min_top1 is None:
         raise ValueError("give an accuracy budget: --max-kl and/or --min-top1")
+    torch.set_num_threads(max(1, a.threads))
     base = resolve_params(a.base_preset)
     if a.alpha_e:
         candidates = parse_candidates(base, a.alpha_e, a.alpha_h)
@@ -311,7 +275,7 @@ def _cmd_tune(a) -> int:
 
     ev = Evaluator(resolve_model(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
     store = ResultStore(a.results or Path(a.out).with_suffix(".results.json"))
-    preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed)
+    preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed, progress=not a.quiet)
     m = preset["measured"]
     print(json.dumps({"chosen": preset["params"], "top1": m["fidelity"]["top1_agreement"],
                       "mean_kl": m["fidelity"]["mean_kl"], "max_ttrsr": m["max_ttrsr"],

@@ -32,7 +32,7 @@ from ..obfuscation.archs import GGUF_ARCHS, GGUF_NAMES, LINEAR_ROLES, SPECS, Arc
 from ..obfuscation.transforms import interleave_rope_rows
 from ..obfuscation.server_tokenizer import add_gguf_tokenizer, eos_ids_of
 from ..storage.safetensors_dir import SafetensorsDir, SafetensorsError
-from ..storage.staging import check_writable_destination, clean_stale, make_staging_file
+from ..storage.staging import check_writable_destination, clean_stale, give_ordinary_modes, make_staging_file
 
 log = logging.getLogger(__name__)
 
@@ -345,6 +345,7 @@ def export_gguf(model_dir: str | Path, outfile: str | Path, qtype: str = "f32", 
         for f in w.fout or []:
             os.fsync(f.fileno())
         w.close()
+        give_ordinary_modes(tmp)  # the staging file is 0600; the model file is public
         os.replace(tmp, outfile)
     except BaseException:
         if w is not None:

@@ -22,7 +22,7 @@ import torch
 from ..storage.safetensors_dir import INDEX_FILE, SafetensorsDir, SafetensorsError
 from ..storage.safetensors_stream import StreamedFile
 from ..storage.sources import pretrained_kwargs
-from ..storage.staging import clean_stale, make_staging_dir, staging_prefix
+from ..storage.staging import clean_stale, give_ordinary_modes, make_staging_dir, staging_prefix
 from .archs import GGUF_ARCHS, GGUF_NAMES, ArchSpec, TensorNames, UnknownRoleError, fp8_weight_pattern, role_shapes, \
     spec_for_gguf, spec_for_hf
 from .fp8 import (BlockFp8, Fp8FormatError, check_scale, dequantize_blockwise, parse_quantization_config,
@@ -379,6 +379,13 @@ class GGUFCheckpoint(SourceCheckpoint):
     def tensor_names(self):
         return set(self._tensors)
 
+    @property
+    def below_float32(self) -> bool:
+        """Whether a tensor is stored in less than float32: block-quantized (Q4_K, Q8_0, ...), F16 or BF16."""
+        import gguf
+
+        return any(t.tensor_type != gguf.GGMLQuantizationType.F32 for t in self._tensors.values())
+
     def get(self, role, layer=None, part="weight", dtype=torch.float64, expert=None):
         name = self.name_of(role, layer, part)
         t = self._tensors.get(name)
@@ -591,6 +598,7 @@ class AtomicOutputDir:
         self.tmp = make_staging_dir(self.target)
 
     def commit(self) -> None:
+        give_ordinary_modes(self.tmp)  # a public checkpoint: 0755/0644 under umask 022, not the staging 0700/0600
         if self.target.exists():
             trash = Path(tempfile.mkdtemp(prefix=staging_prefix(self.target), suffix=".old", dir=self.target.parent))
             os.replace(self.target, trash / "old")

@@ -21,11 +21,11 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ..keyfile import (FINGERPRINTED, MODEL_META_FILE, MODEL_META_FORMAT, KeyFile, check_key_outside,  # noqa: F401
                        existing_key_problem, fingerprint_begin, fingerprint_update, publish_key,
                        recover_or_clean_staged_keys, stage_key)
+from ..progress import Progress
 from ..storage.staging import check_writable_destination
 from ..storage.devices import resolve_device
 from .archs import ArchSpec, TensorNames
@@ -183,6 +183,22 @@ def _available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def serving_dtype(src: str | Path) -> str | None:
+    """The output precision `aloepri obfuscate` writes when none is asked for: bfloat16 for a GGUF source stored in
+    less than float32 (quantized, or half precision), whose float32 output would be 2-7x the file (7 GB from
+    Qwen2.5-Coder-1.5B's 1.1 GB Q4_K_M); None (the source's own precision, as ``obfuscate`` chooses) otherwise.
+    Measured (experiment output_precision, docs/accuracy.md): against the float32 plaintext model the bfloat16
+    output keeps the top-1 agreement and greedy answers of the plaintext model in bfloat16; its KL is that of
+    plaintext bfloat16 on SmolLM2 and 6x it on Qwen2.5-Coder-1.5B computed in bfloat16 (6.4e-5 in float32)."""
+    if not Path(src).is_file():
+        return None
+    source = open_checkpoint(src)
+    try:
+        return "bfloat16" if getattr(source, "below_float32", False) else None
+    finally:
+        source.close()
 
 
 def obfuscate(
@@ -354,7 +370,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
     fp8_out = plan.fp8_out
     spec, cfg, shape, secrets, vocab_perm = plan.spec, source.config, plan.shape, plan.secrets, plan.vocab_perm
     D = secrets.hidden_size
-    staged_key = writer = None
+    staged_key = writer = steps = None
     staging = AtomicOutputDir(out, overwrite=overwrite)
     # one worker thread overlaps the work that does not need the products with them: the fingerprint's sha256 of
     # the vocabulary matrices (block by block, in order) and the output config (the first use of transformers'
@@ -366,7 +382,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         if fp8_out:
             writer = BlockFp8Writer(writer, fp8_out, spec)
         fp = hashlib.sha256()
-        steps = tqdm(total=shape.num_layers + 2, desc="obfuscating", unit="block", disable=not progress)
+        steps = Progress(shape.num_layers + 2, "obfuscating", unit="block", enabled=progress)
         out_cfg = background.submit(output_config, cfg, spec, shape, D, float(cfg.get("rms_norm_eps", 1e-6)),
                                     plan.has_qkv_bias, plan.out_dtype, vocab_perm)
         hashed = []
@@ -380,7 +396,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
             name = item.name if isinstance(item, StreamedTensor) else item[0]
             if _block_of(spec.hf_names, name) != block:
                 if block is not None:
-                    steps.update(1)
+                    steps.advance()
                 block = _block_of(spec.hf_names, name)
             if isinstance(item, StreamedTensor):
                 if name in FINGERPRINTED:  # in FINGERPRINTED's order: the embedding, then the head
@@ -392,7 +408,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
             now = time.perf_counter()
             block_seconds[block] = block_seconds.get(block, 0.0) + now - t
             t = now
-        steps.update(1)
+        steps.advance()
         steps.close()
         writer.finish()
 
@@ -431,6 +447,8 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
             staged_key.unlink(missing_ok=True)
         raise
     finally:
+        if steps is not None:
+            steps.close()  # idempotent; stops the bar's redrawing thread on an error too
         background.shutdown(cancel_futures=True)
     publish_key(staged_key, key_out)  # after the model: a key in place always has its model
     return ObfuscationResult(out, key_out, fingerprint, D, secrets.h, time.perf_counter() - t0, writer.total_bytes,

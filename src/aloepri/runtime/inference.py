@@ -1,9 +1,11 @@
 """Private inference in process: plaintext in, plaintext out; the model only ever sees permuted ids."""
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -14,20 +16,127 @@ from .tokenizer import load_hf_tokenizer, load_tokenizer  # noqa: F401  (load_to
 
 
 def load_plain_model(src: str | Path, dtype: torch.dtype = torch.float32, device=None):
-    """The public plaintext model, from a checkpoint directory or a .gguf file (dequantized by transformers), on
-    ``device`` (default cpu)."""
+    """The public plaintext model, from a checkpoint directory or a .gguf file, on ``device`` (default cpu).
+
+    A .gguf file is dequantized one tensor at a time into the model (``gguf_model``): transformers' own GGUF
+    loading holds every dequantized tensor and the model at once, twice the model's size at its peak."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype)
+    if Path(src).is_file():
+        model = gguf_model(src, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype)
     return model.to(resolve_device(device)).eval()
+
+
+def forward_cached(model, input_ids: torch.Tensor, cache: Any = None) -> tuple[Any, Any]:
+    """One forward pass that continues ``cache`` (None: starts one); returns (output, the cache to continue from).
+    transformers 5.2x renamed the argument past_key_values to cache and warns (FutureWarning) on the old name on
+    every call; older releases know only past_key_values. The name is read from the model's own signature."""
+    name = _cache_argument(type(model))
+    out = model(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}))
+    return out, getattr(out, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The model of a .gguf file with the weights transformers' GGUF loading gives (the same config, the same
+    dequantization and q/k row order: aloepri's reader, which the obfuscation starts from), built without a
+    second copy: the model is allocated uninitialised, then each tensor is dequantized into its place."""
+    from transformers import AutoConfig
+
+    from ..obfuscation.checkpoint import open_checkpoint
+
+    def tensors(wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        ck = open_checkpoint(path)
+        try:
+            names = ck.spec.hf_names
+            for role, layer, part in _gguf_tensor_roles(ck):
+                yield names.of(role, layer, part), ck.get(role, layer, part, dtype=torch.float32)
+            if ck.tied_embeddings and names.of("head") in wanted:  # a config that unties what the file ties
+                yield names.of("head"), ck.get("embed", dtype=torch.float32)
+        finally:
+            ck.close()
+
+    return _uninitialised_model_filled(AutoConfig.from_pretrained(**pretrained_kwargs(path)), dtype, tensors, path)
+
+
+class TensorMismatchError(ValueError):
+    """The stored tensors are not the parameters of the model the config describes."""
+
+
+def _uninitialised_model_filled(config, dtype: torch.dtype, tensors: Callable[[set[str]], Iterator],
+                                source: str | Path):
+    """The model ``config`` describes, allocated without initialising it, each parameter then copied (and
+    converted to ``dtype``) from ``tensors(parameter names)``, which yields (name, tensor) one at a time: the peak
+    is the model and one stored tensor. Every parameter must be filled, and only those."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = dict(model.named_parameters())  # a tied head is the embedding, listed once
+    filled = set()
+    for name, tensor in tensors(set(params)):
+        if name not in params:  # e.g. q/k/v biases in a file whose llama config declares none
+            raise TensorMismatchError(f"{source} holds {name}, which the {type(model).__name__} its config "
+                                      "describes does not have")
+        params[name].data.copy_(tensor)
+        filled.add(name)
+        del tensor
+    if filled != set(params):
+        raise TensorMismatchError(f"{source} leaves {sorted(set(params) - filled)[:5]} of the "
+                                  f"{type(model).__name__} unset")
+    return model
+
+
+def _gguf_tensor_roles(ck) -> list[tuple[str, int | None, str]]:
+    roles = [("embed", None, "weight"), ("final_norm", None, "weight")]
+    if not ck.tied_embeddings:
+        roles.append(("head", None, "weight"))
+    for i in range(ck.num_layers):
+        for role in ck.attention_roles(i) + ck.mlp_roles(i):
+            roles += [(role, i, part) for part in ("weight", "bias") if ck.has(role, i, part)]
+    return roles
 
 
 def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None):
-    """The server's artifact as a stock transformers model, on ``device`` (default cpu)."""
-    from transformers import AutoModelForCausalLM
+    """The server's artifact as a stock transformers model, on ``device`` (default cpu).
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    Stored in another dtype (a bfloat16 checkpoint computed in float32), it is converted shard by shard into an
+    uninitialised model: transformers' loading holds the converted model and every mapped shard at once (10.6 GB
+    for a 1.5B model's 6.8 GB). A checkpoint whose tensors transformers renames on loading (fused MoE experts)
+    is left to transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    stored = str(getattr(config, "dtype", None) or "").replace("torch.", "")
+    if stored in ("", str(dtype).replace("torch.", "")) or getattr(config, "quantization_config", None):
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    else:
+        try:
+            model = _uninitialised_model_filled(config, dtype, lambda wanted: _safetensors_tensors(model_dir),
+                                                model_dir)
+        except TensorMismatchError:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        else:
+            if (Path(model_dir) / "generation_config.json").is_file():
+                model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
     return model.to(resolve_device(device)).eval()
+
+
+def _safetensors_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors checkpoint, one at a time; each shard is unmapped before the next opens."""
+    from safetensors import safe_open
+
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 @dataclass

@@ -94,8 +94,10 @@ def add_serving_commands(sub: Any) -> None:
     p.add_argument("--api-key", default=os.environ.get("ALOEPRI_API_KEY"),
                    help="bearer token for the server (default: $ALOEPRI_API_KEY)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--max-tokens", type=int, default=512, help="reply length limit (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; default 0: greedy, the most likely token each step, so a question "
+                        "gets the same answer every time (raise it, e.g. 0.7, to sample)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)

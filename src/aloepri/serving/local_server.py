@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..keyfile import MODEL_META_FILE
+from ..runtime.inference import forward_cached
 from .client.prompt import max_chars_per_token
 from .http import (DEFAULT_MAX_REQUEST_BYTES, SSE_DONE, BadRequest, client_disconnected, error_body, error_response,
                    event_stream, number, openai_app, parse_json_body, read_body, sse)
@@ -138,11 +139,8 @@ class Engine:
     @torch.inference_mode()
     def _step(self, s: Session) -> bool:
         r = s.req
-        if s.cache is None:
-            out = self.model(input_ids=torch.tensor([r.prompt]), use_cache=True)
-        else:
-            out = self.model(input_ids=torch.tensor([[s.generated[-1]]]), past_key_values=s.cache, use_cache=True)
-        s.cache = out.past_key_values
+        ids = torch.tensor([r.prompt]) if s.cache is None else torch.tensor([[s.generated[-1]]])
+        out, s.cache = forward_cached(self.model, ids, s.cache)
         logits = out.logits[0, -1].float()
         # logprobs as vLLM gives them by default: of the model's raw distribution, before sampling parameters
         raw = torch.log_softmax(logits, dim=-1) if r.logprobs is not None else None

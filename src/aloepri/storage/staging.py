@@ -110,6 +110,27 @@ def make_staging_file(target: Path, suffix: str) -> tuple[int, Path]:
     return fd, Path(name)
 
 
+def current_umask() -> int:
+    """The process umask (Python can only read it by setting it; it is set back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def give_ordinary_modes(path: Path) -> None:
+    """Give a finished public output (a server checkpoint, a GGUF file) the modes of an ordinary file or checkpoint:
+    directories 0777 and files 0666, less the umask (0755 and 0644 under the usual 022). Staging creates them 0700
+    and 0600 (mkdtemp, mkstemp), which only the key file should keep; some writers then keep that mode and some
+    do not, so every entry is set here."""
+    mask = current_umask()
+    path = Path(path)
+    if path.is_dir():
+        for entry in path.rglob("*"):
+            if not entry.is_symlink():
+                os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~mask)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def check_writable_destination(path: Path, what: str) -> None:
     """Fail before any work if ``path`` could not be created: its nearest existing ancestor must be a writable
     directory (probed by creating and removing a file, which also catches read-only mounts when run as root)."""
