@@ -3,7 +3,7 @@ with a phase profile: loading (models and tokenizers) against the rest (the comm
 (attacks, settings), peak RSS and the machine's load average before and after.
 
 Each command runs in a fresh child process (benchmarks.lib.command_child: the real ``aloepri`` CLI in process,
-its loaders timed, its CPU time taken: with one torch thread that is about the wall time on an idle core). Targets from issue 35, on 2 idle cores: verify < 1 min, eval fidelity < 3 min, attack all
+its loaders timed, its CPU time taken: with one torch thread that is about the wall time on an idle core). Targets, on 2 idle cores: verify < 1 min, eval fidelity < 3 min, attack all
 --budget ci and audit --budget ci < 5 min, tune with its default budget < 15 min. The machine here is shared; the
 load average says how far from idle a figure is.
 """

@@ -176,7 +176,7 @@ def _extrapolation(entries: dict) -> str:
 SUMMARY = "peak RSS of verify / eval fidelity, one model at a time against both side by side; 8B/14B extrapolated"
 CONFIGS = {
     "smollm2": Settings(),
-    # only the one-at-a-time modes: side by side would need about 14 GiB (issue 32 measured 13.9 GB for verify)
+    # only the one-at-a-time modes: side by side would need about 14 GiB (13.9 GB measured for verify before it held one model at a time)
     "qwen-coder-1.5b": Settings(model="qwen-coder-1.5b", dtype="bfloat16", modes=("verify",), max_rss_gib=10.0),
 }
 DOCS = ("docs/performance.md",)

@@ -1,4 +1,4 @@
-"""The proxy against hostile clients and hostile web pages (issue 33), on a stand-in engine (no model, so each
+"""The proxy against hostile clients and hostile web pages, on a stand-in engine (no model, so each
 case takes milliseconds) and, for serve-local, a tiny obfuscated model:
 
 * bounded requests: a body over the limit is 413 (declared or chunked), a body not sent as JSON 415, a prompt too

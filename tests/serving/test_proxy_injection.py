@@ -1,4 +1,4 @@
-"""Role injection through control tokens (issue 33): text a caller sends is text. A message, tool result, tool
+"""Role injection through control tokens: text a caller sends is text. A message, tool result, tool
 definition, tool call or completion prompt holding ``<|im_end|>`` or ``<|im_start|>system`` must reach the model as
 those characters, never as the chat template's control tokens; ``parse_special_tokens: true`` is the opt-in.
 

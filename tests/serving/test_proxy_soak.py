@@ -1,4 +1,4 @@
-"""A bounded soak of the proxy (issue 33): hundreds of requests from 16 concurrent clients, mixed streaming,
+"""A bounded soak of the proxy: hundreds of requests from 16 concurrent clients, mixed streaming,
 tools, logprobs, n > 1 and clients that leave mid-stream, against a stand-in engine on loopback (no model: a
 few seconds in all). Every answer must equal the same request's answer when sent alone, none may fail, and at
 the end nothing is left over: no request in flight in the proxy, no upstream request still open, no more upstream
