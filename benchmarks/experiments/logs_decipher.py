@@ -31,14 +31,9 @@ import numpy as np
 
 from ..lib import ResultStore
 from ..lib.models import model_path
-from .logs_only import build_stream, chat_wrapper, observed_prefix, prior_ids, recovery_report
+from .logs_only import build_stream, chat_wrapper, observed_prefix, prior_ids, recovery_report, split_requests
 
 VOLUMES = (100, 300, 1_000, 10_000, 100_000)
-
-
-def split_requests(ids: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
-    starts = np.concatenate([[0], ends[:-1]])
-    return [ids[a:b] for a, b in zip(starts, ends)]
 
 
 @dataclass(frozen=True)

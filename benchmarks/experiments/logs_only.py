@@ -129,6 +129,12 @@ def prior_ids(tokenizer, name: str, max_tokens: int, seed: int) -> np.ndarray:
     return np.asarray(out[:max_tokens], np.int64)
 
 
+def split_requests(ids: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+    """``ids`` cut at the cumulative request ends ``ends``."""
+    starts = np.concatenate([[0], ends[:-1]])
+    return [ids[a:b] for a, b in zip(starts, ends)]
+
+
 def observed_prefix(stream: Stream, volume: int) -> slice:
     """The first whole requests totalling at least ``volume`` tokens (the whole stream if shorter)."""
     k = int(np.searchsorted(stream.request_ends, volume))
@@ -183,9 +189,7 @@ def run_sda(tokenizer, stream: Stream, sl: slice, prior: np.ndarray, perm: np.nd
     from aloepri.attacks.decipher import SDAConfig, build_training_set, decipher, train_decipherer
 
     cfg = SDAConfig.for_budget(Budget.named("ci"))
-    ends = stream.request_ends[stream.request_ends <= sl.stop]
-    starts = np.concatenate([[0], ends[:-1]])
-    reqs = [perm[stream.ids[a:b]] for a, b in zip(starts, ends)]
+    reqs = [perm[r] for r in split_requests(stream.ids, stream.request_ends[stream.request_ends <= sl.stop])]
     prior = prior[: cfg.prior_tokens]
     ids, counts = np.unique(prior, return_counts=True)
     pool = ids[np.argsort(-counts, kind="stable")][: cfg.pool]

@@ -48,6 +48,12 @@ class BigramModel:
     base: np.ndarray  # (V,) float64
     lift: sp.csr_matrix  # (V, V)
 
+    @property
+    def unigram(self) -> np.ndarray:
+        """(V,) the smoothed unigram p(v) the model was built with."""
+        p = np.exp(self.base)
+        return p / p.sum()
+
 
 def bigram_model(reference: Sequence[Sequence[int]], vocab_size: int, lam: float = 0.8, add: float = 0.1
                  ) -> BigramModel:
@@ -126,7 +132,7 @@ def unigram_scores(model: BigramModel, counts: np.ndarray, total: int, columns: 
     """(R, C) Poisson log-likelihood of each row's observed count if it were the candidate:
     ``n_r log p(v) - N p(v)`` (up to terms constant in v). The ``- N p(v)`` part is what keeps a rare cipher id
     off a frequent plaintext token."""
-    p = np.exp(model.base[columns]) / np.exp(model.base).sum()
+    p = model.unigram[columns]
     return counts[:, None] * np.log(p)[None, :] - total * p[None, :]
 
 
@@ -236,7 +242,7 @@ class LMScorer:
         return total / max(n, 1)
 
 
-def anneal_mapping(left: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarray, start: np.ndarray,
+def anneal_mapping(left: sp.csr_matrix, right: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarray, start: np.ndarray,
                    fixed: dict[int, int], proposals: np.ndarray, weights: np.ndarray, steps: int,
                    t_start: float = 3.0, t_end: float = 0.05, seed: int = 0, unary: np.ndarray | None = None
                    ) -> np.ndarray:
@@ -251,7 +257,6 @@ def anneal_mapping(left: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarra
     rng = np.random.default_rng(seed)
     m = start.copy()
     holder = {int(c): r for r, c in enumerate(m)}
-    right = left.T.tocsr()
     l_ptr, l_idx, l_val = left.indptr, left.indices, left.data
     r_ptr, r_idx, r_val = right.indptr, right.indices, right.data
     movable = np.array([r for r in range(len(m)) if r not in fixed])
@@ -296,7 +301,7 @@ def anneal_mapping(left: sp.csr_matrix, prior: np.ndarray, log_bigram: np.ndarra
     return m
 
 
-def anneal_stage(model: BigramModel, left: sp.csr_matrix, scores: np.ndarray, columns: np.ndarray,
+def anneal_stage(model: BigramModel, left: sp.csr_matrix, right: sp.csr_matrix, scores: np.ndarray, columns: np.ndarray,
                  plain_of_row: np.ndarray, fixed: dict[int, int], counts: np.ndarray, total: int, steps: int,
                  n_candidates: int, seed: int, top_k: int = 12, wide: int = 4, lm_scores: np.ndarray | None = None,
                  t_start: float = 3.0) -> np.ndarray:
@@ -307,12 +312,12 @@ def anneal_stage(model: BigramModel, left: sp.csr_matrix, scores: np.ndarray, co
     assigned = plain_of_row[plain_of_row >= 0]
     cand = np.union1d(columns[:n_candidates] if len(columns) > n_candidates else columns, assigned)
     # columns are sorted by id in ``columns``: rank them by reference frequency for the "similar frequency" moves
-    p = np.exp(model.base)
+    p = model.unigram
     by_freq = cand[np.argsort(-p[cand], kind="stable")]
     index_of = np.full(len(p), -1, np.int64)
     index_of[cand] = np.arange(len(cand))
     log_bigram = model.base[cand][None, :] + np.asarray(model.lift[cand][:, cand].todense())
-    prior = -total * p[cand] / p.sum()
+    prior = -total * p[cand]
     in_cand = index_of[columns] >= 0
     sc = np.where(in_cand[None, :], scores, -np.inf)
     k = min(top_k, int(in_cand.sum()))
@@ -332,7 +337,7 @@ def anneal_stage(model: BigramModel, left: sp.csr_matrix, scores: np.ndarray, co
     if lm_scores is not None:
         unary = np.zeros((len(counts), len(cand)), np.float32)
         unary[:, index_of[columns[in_cand]]] = lm_scores[:, in_cand]
-    m = anneal_mapping(left, prior, log_bigram, start, fixed_idx, proposals, np.sqrt(counts), steps,
+    m = anneal_mapping(left, right, prior, log_bigram, start, fixed_idx, proposals, np.sqrt(counts), steps,
                        t_start=t_start, seed=seed, unary=unary)
     return cand[m]
 
@@ -420,8 +425,9 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
     left, right = adjacency(stream)
     # mean-field annealing: beliefs start from the counts alone and sharpen as the temperature falls
     beliefs = soft_beliefs(uni, columns, fixed, temperatures[0]) if temperatures else None
-    scores = uni + context_scores(model, left, right, belief_matrix(plain_of_row, None, vocab_size, len(counts)),
-                                  columns)
+    if not temperatures:  # no mean-field: the frequency seed's context scores the 1:1 assignment
+        scores = uni + context_scores(model, left, right, belief_matrix(plain_of_row, None, vocab_size, len(counts)),
+                                      columns)
     for it, temp in enumerate(temperatures):
         scores = uni + context_scores(model, left, right, belief_matrix(None, beliefs, vocab_size, len(counts)),
                                       columns)
@@ -433,7 +439,7 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
     record({"stage": "1:1 assignment"})
     start_of_anneal = plain_of_row
     if anneal_steps:
-        plain_of_row = anneal_stage(model, left, scores, columns, plain_of_row, fixed, counts, total,
+        plain_of_row = anneal_stage(model, left, right, scores, columns, plain_of_row, fixed, counts, total,
                                     anneal_steps * len(counts), anneal_candidates, seed)
         record({"stage": "annealing", "steps": anneal_steps * len(counts)})
         if lm is None and restarts:
@@ -442,7 +448,7 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
             best_ll = stream_log_likelihood(model, left, plain_of_row)
             trace[-1]["log_likelihood"] = round(best_ll, 1)
             for i in range(restarts):
-                cand = anneal_stage(model, left, scores, columns, start_of_anneal, fixed, counts, total,
+                cand = anneal_stage(model, left, right, scores, columns, start_of_anneal, fixed, counts, total,
                                     anneal_steps * len(counts), anneal_candidates, seed + 100 + i)
                 ll = stream_log_likelihood(model, left, cand)
                 kept = ll > best_ll
@@ -461,7 +467,7 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
             t_lm = time.perf_counter()
             if kind == "restart":
                 # another annealing run from the same evidence; the LM decides which mapping reads better
-                cand = anneal_stage(model, left, scores, columns, start_of_anneal, fixed, counts, total,
+                cand = anneal_stage(model, left, right, scores, columns, start_of_anneal, fixed, counts, total,
                                     anneal_steps * len(counts), anneal_candidates, int(arg))
                 entry: dict = {"stage": f"restart seed {arg}"}
             else:
@@ -474,7 +480,7 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
                     read += chosen[a:a + lm.batch]
                     if time.perf_counter() - t_lm > lm_seconds:
                         break
-                cand = anneal_stage(model, left, scores + arg * lm_scores, columns, plain_of_row, fixed, counts,
+                cand = anneal_stage(model, left, right, scores + arg * lm_scores, columns, plain_of_row, fixed, counts,
                                     total, anneal_steps * len(counts) // 2, anneal_candidates, seed + 1,
                                     lm_scores=arg * lm_scores, t_start=1.0)
                 entry = {"stage": f"lm-refined w={arg:g}", "lm_tokens": int(lengths[read].sum())}
@@ -515,7 +521,8 @@ def run_stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget,
     tok = target.tokenizer
     pre, post = chat_template_ids(tok)
     requests = [target.obfuscate_ids(list(pre) + list(ids) + list(post)) for ids in data.plain_ids]
-    vocab = len(target.true_permutation())
+    # ids the server sees lie below the embedding size; the public tokenizer's length bounds the plaintext side
+    vocab = max(len(tok), 1 + max(max(r) for r in requests))
     ref_tokens = int(max(100_000, 1_000_000 * budget.scale))
     reference = public_reference(tok, ref_tokens)
     lm_tokens = int(max(2_000, 20_000 * budget.scale))
@@ -523,7 +530,10 @@ def run_stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget,
     lm = LMScorer(target.plain_model, batch=4, device=target.device) if with_lm else None
     res = decipher_stream(requests, vocab, reference, pre, post, lm=lm, lm_tokens=lm_tokens, lm_judge_tokens=judge,
                           restarts=1 if with_lm else 0, seed=seed)
-    metrics = score_mapping(target, data, res.obf_to_plain, text_metrics=True)
+    # scoring (the key's side): the guess over the whole id space, -1 for ids the observer never saw
+    guess = np.full(len(target.true_permutation()), -1, np.int64)
+    guess[:len(res.obf_to_plain)] = res.obf_to_plain[:len(guess)]
+    metrics = score_mapping(target, data, guess, text_metrics=True)
     observed = int(sum(len(r) for r in requests))
     metrics.update({"tokens_observed": observed, "requests_observed": len(requests), "anchors": res.anchors,
                     "trace": res.trace})
