@@ -215,7 +215,7 @@ CONFIGS = {
     # the same on a GPU machine, CPU beside it (for a model of a few B parameters: --set model=DIR --save-as ...)
     "smollm2-cuda": Settings(devices=("cpu", "cuda"), batches=("1", "default", "128"), threads=16),
     # for a GPU machine with no download and no network: Llama-3.1-8B's width (d 4096, ff 14336), 2 layers, 16k vocabulary
-    "synthetic-cuda": Settings(model="synthetic:llama-3.1-8b", preset="default", devices=("cpu", "cuda"),
+    "synthetic-cuda": Settings(model="synthetic:llama-3.1-8b", preset="default", devices=("cuda", "cpu"),
                                batches=("default", "128"), threads=16, plan="synthetic"),
     "synthetic-cpu": Settings(model="synthetic:llama-3.1-8b", preset="default", batches=("default",),
                               plan="synthetic"),
