@@ -221,6 +221,44 @@ def test_reduced_precision_types(qtype, obf32, tmp_path):
     assert engine_err < rounding_err
 
 
+@needs_llama_cpp
+def test_k_quant_is_made_by_llama_cpp_from_the_f32_export(obf32, tmp_path):
+    """q4_k_m: llama.cpp's quantizer requantizes the f32 export (tensors whose rows are not a multiple of 256 fall
+    back to its own choice); the file is smaller than q8_0, llama.cpp serves it close to the f32 file, the
+    fingerprint survives, and no staging file is left."""
+    out, key = obf32
+    f32 = export_gguf(out, tmp_path / "f32.gguf", "f32")
+    q8 = export_gguf(out, tmp_path / "q8.gguf", "q8_0")
+    res = export_gguf(out, tmp_path / "k.gguf", "q4_k_m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f32.gguf", "k.gguf", "q8.gguf"]
+    assert res.bytes_written == (tmp_path / "k.gguf").stat().st_size < q8.bytes_written < f32.bytes_written
+    assert (tmp_path / "k.gguf").stat().st_mode & 0o077 == (tmp_path / "f32.gguf").stat().st_mode & 0o077
+    reader = gguf.GGUFReader(str(tmp_path / "k.gguf"))
+    fields = {name: f.parts[f.data[0]] for name, f in reader.fields.items() if f.data}
+    assert int(fields["general.file_type"][0]) == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    assert "aloepri.model_fingerprint" in reader.fields
+    ids = key.encode_ids(list(range(4, 28)))
+    want, got = _llama_logits(tmp_path / "f32.gguf", ids), _llama_logits(tmp_path / "k.gguf", ids)
+    assert np.corrcoef(want.ravel(), got.ravel())[0, 1] > 0.9
+    assert not np.allclose(want, got)  # really requantized, not a copy of the f32 file
+
+
+def test_k_quant_without_llama_cpp_is_one_clear_error(obf32, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_llama_cpp(name, *args, **kw):
+        if name == "llama_cpp":
+            raise ImportError(name)
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    with pytest.raises(GGUFExportError, match="install llama-cpp-python"):
+        export_gguf(obf32[0], tmp_path / "k.gguf", "q4_k_m")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_quantization_needs_block_multiples(obf, tmp_path):
     out, _, _ = obf("llama")  # d=48: D=312 and intermediate 80 are not multiples of 32
     with pytest.raises(GGUFExportError, match="multiple of the 32"):

@@ -37,6 +37,11 @@ from ..storage.staging import check_writable_destination, clean_stale, give_ordi
 log = logging.getLogger(__name__)
 
 QTYPES = ("f32", "f16", "q8_0", "q4_0", "q5_0")
+# K-quants: gguf-py cannot write them, so the file is written as f32 and requantized by llama.cpp's own quantizer
+# (llama-cpp-python's llama_model_quantize), the way llama.cpp users make them; value: its LLAMA_FTYPE name
+KQUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+           "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+ALL_TYPES = QTYPES + tuple(KQUANTS)
 BLOCK = 32  # block size of q8_0 / q4_0 / q5_0
 
 
@@ -231,8 +236,10 @@ def export_gguf(model_dir: str | Path, outfile: str | Path, qtype: str = "f32", 
 
     t0 = time.perf_counter()
     model_dir, outfile = Path(model_dir), Path(outfile).absolute()
+    if qtype in KQUANTS:
+        return _export_kquant(model_dir, outfile, qtype, overwrite, progress, allow_foreign, t0)
     if qtype not in QTYPES:
-        raise GGUFExportError(f"unknown GGUF type {qtype!r}; choose one of {list(QTYPES)}")
+        raise GGUFExportError(f"unknown GGUF type {qtype!r}; choose one of {list(ALL_TYPES)}")
     if not (model_dir / "config.json").is_file():
         raise GGUFExportError(f"{model_dir}: no config.json; expected an aloepri-obfuscated model directory")
     meta = _aloepri_meta(model_dir)
@@ -357,6 +364,46 @@ def export_gguf(model_dir: str | Path, outfile: str | Path, qtype: str = "f32", 
     return ExportResult(outfile, arch, qtype, len(items) + (rope_freqs is not None), written, time.perf_counter() - t0)
 
 
+def _llama_quantizer():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise GGUFExportError("K-quant types are made by llama.cpp's quantizer: install llama-cpp-python "
+                              "(pip install 'aloepri[llamacpp]'), or export q8_0/q4_0/q5_0") from None
+    return llama_cpp
+
+
+def _export_kquant(model_dir: Path, outfile: Path, qtype: str, overwrite: bool, progress: bool,
+                   allow_foreign: bool, t0: float) -> ExportResult:
+    """f32 GGUF in a staging file, requantized by llama.cpp to ``qtype``, moved into place."""
+    llama_cpp = _llama_quantizer()
+    if outfile.exists() and not overwrite:
+        raise FileExistsError(f"{outfile} already exists; choose another --outfile or pass --force")
+    clean_stale(outfile, ".partial", "partial GGUF file")
+    check_writable_destination(outfile, "GGUF file")
+    outfile.parent.mkdir(parents=True, exist_ok=True)
+    fd, f32_tmp = make_staging_file(outfile, ".f32.partial")
+    os.close(fd)
+    fd, tmp = make_staging_file(outfile, ".partial")
+    os.close(fd)
+    try:
+        f32 = export_gguf(model_dir, f32_tmp, "f32", overwrite=True, progress=progress, allow_foreign=allow_foreign)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, KQUANTS[qtype])
+        params.nthread = max(1, os.cpu_count() or 1)
+        rc = llama_cpp.llama_model_quantize(str(f32_tmp).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise GGUFExportError(f"llama.cpp's quantizer failed on {f32_tmp} ({qtype}, return code {rc})")
+        give_ordinary_modes(tmp)
+        os.replace(tmp, outfile)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        f32_tmp.unlink(missing_ok=True)
+    return ExportResult(outfile, f32.arch, qtype, f32.n_tensors, outfile.stat().st_size, time.perf_counter() - t0)
+
+
 def plaintext_reference_dir(src: str | Path, directory: str | Path) -> Path:
     """The plaintext source checkpoint as a float32 HF directory holding exactly the weights the obfuscation
     starts from (aloepri's reader: dequantized, q/k rows in HF order). Exported with :func:`export_gguf` it is
@@ -414,9 +461,10 @@ def add_export_commands(subparsers) -> None:
     p = subparsers.add_parser("export-gguf", help="convert an obfuscated model directory to GGUF for llama.cpp")
     p.add_argument("out", help="obfuscated model directory written by `aloepri obfuscate`")
     p.add_argument("--outfile", required=True, help="GGUF file to write")
-    p.add_argument("--type", choices=list(QTYPES), default="f32",
+    p.add_argument("--type", choices=list(ALL_TYPES), default="f32",
                    help="tensor type of the 2-D weights (norms and biases stay f32; q4_0/q5_0 keep embedding and "
-                        "output at q8_0)")
+                        "output at q8_0; q4_k_m/q5_k_m/q6_k are made by llama.cpp's quantizer from an f32 export "
+                        "and need llama-cpp-python)")
     p.add_argument("--force", action="store_true", help="replace an existing --outfile")
     p.add_argument("--allow-foreign", action="store_true",
                    help="convert a directory aloepri did not write (no aloepri_model.json), e.g. a plaintext model")
