@@ -1,0 +1,355 @@
+"""An obfuscated model served on llama.cpp as people serve it (q8_0, a 4-bit K-quant), against the plaintext GGUF at
+the same quantization: fidelity, greedy identity with its logit margins, HumanEval pass@1, decode speed, and the
+attacks on the very checkpoints that were measured. Made for Qwen2.5-Coder-1.5B-Instruct, the largest real model
+here; any bundled model name works.
+
+Models. Each preset is obfuscated once (``seed``, output ``dtype``: bfloat16, what ``aloepri obfuscate`` writes from a
+quantized GGUF) and exported with ``aloepri export-gguf`` at each type named; K-quants come from llama.cpp's own
+quantizer applied to an f32 export. The plaintext model at a type is the same dequantized weights the obfuscation
+started from (``plaintext_reference_dir``), exported by the same exporter at the same type. llama-cpp-python runs
+both with the same threads, context and f32 logits; one model is loaded at a time.
+
+- ``fidelity`` (``PRESET:TYPE``): the first ``prompts`` built-in chat prompts, each followed by the plaintext model's
+  greedy reply at that type (``reply_tokens``). Teacher-forced over the reply: top-1 agreement and mean
+  KL(plaintext || obfuscated) in nats, the obfuscated logits mapped back through the key. Greedy identity: the
+  obfuscated model's own greedy reply against the plaintext one; at the first divergence, both models' margins
+  (top-1 minus top-2 logit) there, so a near-tie is told from a real departure. Decode tokens/s of both, side by side.
+- ``humaneval`` (``plaintext:TYPE`` or ``PRESET:TYPE``): pass@1 (greedy) on the problems of ``humaneval_subset``, the
+  prompt and sandbox of aloepri.eval.humaneval, the client mapping ids in and out with the key as a real client does.
+- ``attacks`` (``PRESET``): ``aloepri attack ATTACKS --budget ci`` on the obfuscated checkpoint (safetensors, the
+  weights the GGUF files were exported from), TTRSR and PIIRSR from its report.
+
+Resumable: every prompt-level and problem-level result is its own entry.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..lib import ResultStore, UsageError
+from ..lib.models import model_path
+
+PLAINTEXT = "plaintext"
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "qwen-coder-1.5b"
+    seed: int = 2026
+    dtype: str = "bfloat16"
+    fidelity: tuple[str, ...] = ("default:q8_0", "default:q4_k_m", "noisy:q8_0", "paper:q8_0")
+    prompts: int = 8
+    reply_tokens: int = 64
+    humaneval: tuple[str, ...] = ("plaintext:q8_0", "default:q8_0", "noisy:q8_0", "paper:q8_0")
+    humaneval_subset: str = "ci"
+    max_new_tokens: int = 384
+    attacks: tuple[str, ...] = ("noisy", "paper")
+    attack_names: str = "vma"
+    threads: int = 2
+    n_ctx: int = 2048
+
+
+def _split(spec: str) -> tuple[str, str]:
+    preset, sep, qtype = spec.partition(":")
+    if not sep:
+        raise UsageError(f"{spec!r}: expected PRESET:TYPE")
+    return preset, qtype
+
+
+class Models:
+    """Obfuscated targets and GGUF files, built on first use and cached (benchmarks.lib.targets)."""
+
+    def __init__(self, s: Settings):
+        from ..lib.targets import WORK
+
+        self.s = s
+        self.src = model_path(s.model)
+        self.work = Path(WORK) / "gguf"
+        self.work.mkdir(parents=True, exist_ok=True)
+
+    def target(self, preset: str):
+        import aloepri
+
+        from ..lib.targets import obfuscated
+
+        return obfuscated(self.src, aloepri.resolve_params(preset), self.s.seed, dtype=self.s.dtype)
+
+    def gguf(self, preset: str, qtype: str) -> Path:
+        from aloepri.export.gguf import export_gguf, plaintext_reference_dir
+
+        if preset == PLAINTEXT:
+            name = f"{self.src.stem}-plaintext-{qtype}.gguf"
+            directory = self.work / f"{self.src.stem}-plaintext-f32"
+            out = self.work / name
+            if not out.exists():
+                if not (directory / "config.json").exists():
+                    plaintext_reference_dir(self.src, directory)
+                export_gguf(directory, out, qtype)
+            return out
+        t = self.target(preset)
+        out = self.work / f"{self.src.stem}-{t.cache_key}-{qtype}.gguf"
+        if not out.exists():
+            export_gguf(t.model_dir, out, qtype)
+        return out
+
+    def llama(self, path: Path):
+        import llama_cpp
+
+        return llama_cpp.Llama(str(path), n_ctx=self.s.n_ctx, n_threads=self.s.threads,
+                               n_threads_batch=self.s.threads, logits_all=True, verbose=False)
+
+
+def _greedy(llm, server_ids: list[int], max_tokens: int, stop_server: set[int]) -> tuple[list[int], float]:
+    """Greedy server ids after ``server_ids`` (no repeat penalty), and the decode seconds per token (first token
+    to last: the prompt's prefill is not in it)."""
+    out: list[int] = []
+    first = last = 0.0
+    for tok in llm.generate(server_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        last = time.perf_counter()
+        first = first or last
+        if tok in stop_server or len(out) >= max_tokens:
+            break
+        out.append(int(tok))
+    return out, (last - first) / max(1, len(out) - 1)
+
+
+def _logits(llm, server_ids: list[int], first: int):
+    """llama.cpp's logits at positions ``first`` .. end-1 (each predicting the next token), float32."""
+    import numpy as np
+
+    llm.reset()
+    llm.eval(server_ids)
+    return np.array(llm.scores[first:len(server_ids)], dtype=np.float32)
+
+
+def _margin(row) -> float:
+    import numpy as np
+
+    top2 = np.partition(row, -2)[-2:]
+    return float(top2[1] - top2[0])
+
+
+def _prompts(models: Models, n: int) -> list[list[int]]:
+    from aloepri.eval.fidelity import BUILTIN_PROMPTS
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(models.src)
+    out = []
+    for p in BUILTIN_PROMPTS[:n]:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
+    return out
+
+
+def _eos(models: Models) -> set[int]:
+    from aloepri.eval.humaneval import _eos_ids
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+
+    return set(_eos_ids(load_hf_tokenizer(models.src)))
+
+
+def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
+    import numpy as np
+
+    from aloepri.keyfile import load_key
+
+    from .gguf_fidelity import compare, log_softmax, pooled
+
+    todo = [spec for spec in s.fidelity if not store.has(f"fidelity/{spec}")]
+    if not todo:
+        return
+    prompts, eos = _prompts(models, s.prompts), _eos(models)
+    for qtype in dict.fromkeys(_split(spec)[1] for spec in todo):
+        plain_path = models.gguf(PLAINTEXT, qtype)
+        llm = models.llama(plain_path)
+        plain = []  # (prompt ids, reply ids, log-probs over the reply, seconds per token)
+        for ids in prompts:
+            reply, spt = _greedy(llm, ids, s.reply_tokens, eos)
+            plain.append((ids, reply, log_softmax(_logits(llm, ids + reply, len(ids) - 1)), spt))
+        del llm
+        for spec in todo:
+            preset, t = _split(spec)
+            if t != qtype:
+                continue
+            target = models.target(preset)
+            key = load_key(target.key_path)
+            path = models.gguf(preset, qtype)
+            llm = models.llama(path)
+            vocab = llm.n_vocab()
+            enc = np.asarray(key.encode_ids(list(range(vocab))))  # plain id -> server id
+            eos_server = {int(enc[i]) for i in eos if i < vocab}
+            parts, prompts_out = [], []
+            for ids, reply, ref, plain_spt in plain:
+                got = log_softmax(_logits(llm, key.encode_ids(ids + reply), len(ids) - 1)[:, enc])
+                parts.append(compare(ref, got))
+                own_server, spt = _greedy(llm, key.encode_ids(ids), s.reply_tokens, eos_server)
+                own = key.decode_ids(own_server)
+                div = next((i for i, (a, b) in enumerate(zip(own, reply)) if a != b),
+                           None if len(own) == len(reply) else min(len(own), len(reply)))
+                row = {"prompt_tokens": len(ids), "reply_tokens": len(reply), "same_greedy_reply": div is None,
+                       "plain_seconds_per_token": round(plain_spt, 4), "obfuscated_seconds_per_token": round(spt, 4)}
+                if div is not None and div < len(reply) and div < len(own):
+                    # the plaintext model's margin at the divergence (teacher-forced on its own reply), and the
+                    # obfuscated model's on the same prefix
+                    row.update(diverged_at=div, plain_margin=round(_margin(ref[div]), 4),
+                               obfuscated_margin=round(_margin(got[div]), 4))
+                elif div is not None:
+                    row.update(diverged_at=div, length_differs=True)
+                prompts_out.append(row)
+            del llm
+            plain_spt = sum(p[3] for p in plain) / len(plain)
+            obf_spt = sum(r["obfuscated_seconds_per_token"] for r in prompts_out) / len(prompts_out)
+            store.put(f"fidelity/{spec}", {
+                **pooled(parts), "preset": preset, "type": qtype, "prompts": prompts_out,
+                "same_greedy_replies": sum(r["same_greedy_reply"] for r in prompts_out),
+                "plain_tokens_per_second": round(1 / plain_spt, 2), "obfuscated_tokens_per_second": round(1 / obf_spt, 2),
+                "plain_bytes": plain_path.stat().st_size, "obfuscated_bytes": path.stat().st_size,
+                "source_bytes": models.src.stat().st_size, "params": target_params(models, preset)})
+            print(f"fidelity/{spec}", json.dumps({k: v for k, v in store.get(f"fidelity/{spec}").items()
+                                                  if k not in ("prompts", "params")}), flush=True)
+
+
+def target_params(models: Models, preset: str) -> dict:
+    import aloepri
+
+    return aloepri.resolve_params(preset).to_dict()
+
+
+class LlamaCppRunner:
+    """aloepri.eval.humaneval's Runner on llama.cpp: the client maps ids in and out with its key (or none)."""
+
+    def __init__(self, label: str, llm, tokenizer, key=None):
+        self.label, self.llm, self.tokenizer, self.key = label, llm, tokenizer, key
+
+    def complete(self, problem: dict, max_new_tokens: int) -> dict:
+        from aloepri.eval.humaneval import _eos_ids, build_prompt_ids, truncate_at_stop
+
+        ids, _ = build_prompt_ids(self.tokenizer, problem)
+        to_s = self.key.encode_ids if self.key else (lambda v: list(v))
+        from_s = self.key.decode_ids if self.key else (lambda v: list(v))
+        eos = set(_eos_ids(self.tokenizer))
+        out: list[int] = []
+        text, stopped = "", False
+        t0 = time.perf_counter()
+        for tok in self.llm.generate(to_s(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                     reset=True):
+            plain = from_s([int(tok)])[0]
+            if plain in eos:
+                stopped = True
+                break
+            out.append(plain)
+            text, stopped = truncate_at_stop(self.tokenizer.decode(out))
+            if stopped or len(out) >= max_new_tokens:
+                break
+        if not stopped:
+            text = self.tokenizer.decode(out)
+        return {"completion": text, "new_tokens": len(out), "stopped": stopped, "prompt_tokens": len(ids),
+                "gen_seconds": time.perf_counter() - t0}
+
+
+def run_humaneval(s: Settings, store: ResultStore, models: Models) -> None:
+    from aloepri.eval.humaneval import evaluate, select_problems
+    from aloepri.keyfile import load_key
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+
+    problems = select_problems(s.humaneval_subset)
+    for spec in s.humaneval:
+        done = {t.split("/", 2)[2]: e for t, e in store.entries().items() if t.startswith(f"humaneval/{spec}/")}
+        if all(t in done for t in problems):
+            continue
+        preset, qtype = _split(spec)
+        key = None if preset == PLAINTEXT else load_key(models.target(preset).key_path)
+        runner = LlamaCppRunner(spec, models.llama(models.gguf(preset, qtype)), load_hf_tokenizer(models.src), key)
+        evaluate(runner, problems, s.max_new_tokens, done=done,
+                 on_result=lambda tid, r, spec=spec: store.put(f"humaneval/{spec}/{tid}", r))
+        del runner
+
+
+def run_attacks(s: Settings, store: ResultStore, models: Models) -> None:
+    import tempfile
+
+    from .device_attack import attack_once
+
+    for preset in s.attacks:
+        if store.has(f"attacks/{preset}"):
+            continue
+        t = models.target(preset)
+        with tempfile.TemporaryDirectory(prefix="aloepri-quantized-attack-") as work:
+            row = attack_once(models.src, t.model_dir, t.key_path, s.attack_names, "cpu", "default", "ci", 10,
+                              s.threads, Path(work))
+        store.put(f"attacks/{preset}", {**row, "preset": preset})
+        print(f"attacks/{preset}", json.dumps(row["attacks"]), flush=True)
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise UsageError("llamacpp_quantized needs llama-cpp-python: pip install 'aloepri[llamacpp]'") from None
+    models = Models(s)
+    run_fidelity(s, store, models)
+    run_humaneval(s, store, models)
+    run_attacks(s, store, models)
+
+
+def _humaneval_rows(entries: dict) -> dict[str, dict]:
+    by: dict[str, dict] = {}
+    for k, e in entries.items():
+        if k.startswith("humaneval/"):
+            _, spec, tid = k.split("/", 2)
+            by.setdefault(spec, {})[tid] = e
+    return by
+
+
+def report(store: ResultStore) -> str:
+    entries = store.entries()
+    out = ["| preset | type | top-1 | KL (nats) | same greedy reply | divergences: plaintext margin / obfuscated "
+           "margin | decode tokens/s, plaintext / obfuscated | file MB, plaintext / obfuscated |",
+           "|---|---|---|---|---|---|---|---|"]
+    for k, e in entries.items():
+        if not k.startswith("fidelity/"):
+            continue
+        divs = ", ".join(f"{p['plain_margin']:.2f} / {p['obfuscated_margin']:.2f}" for p in e["prompts"]
+                         if "plain_margin" in p) or "-"
+        out.append(f"| {e['preset']} | {e['type']} | {e['top1']:.4f} | {e['kl']:.2e} | "
+                   f"{e['same_greedy_replies']}/{len(e['prompts'])} | {divs} | "
+                   f"{e['plain_tokens_per_second']:.1f} / {e['obfuscated_tokens_per_second']:.1f} | "
+                   f"{e['plain_bytes'] / 1e6:.0f} / {e['obfuscated_bytes'] / 1e6:.0f} |")
+    he = _humaneval_rows(entries)
+    if he:
+        plain = next((rows for spec, rows in he.items() if spec.startswith(PLAINTEXT + ":")), {})
+        out += ["", "| HumanEval | problems | passed | pass@1 | plaintext on the same problems | "
+                    "same completion as plaintext | tokens/s |", "|---|---|---|---|---|---|---|"]
+        for spec, rows in he.items():
+            n, passed = len(rows), sum(bool(r["passed"]) for r in rows.values())
+            common = [t for t in rows if t in plain]
+            pp = sum(bool(plain[t]["passed"]) for t in common)
+            same = sum(rows[t]["completion"] == plain[t]["completion"] for t in common)
+            toks, secs = sum(r["new_tokens"] for r in rows.values()), sum(r["gen_seconds"] for r in rows.values())
+            out.append(f"| {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} | "
+                       f"{toks / secs:.1f} |")
+    attacks = {k.split("/", 1)[1]: e for k, e in entries.items() if k.startswith("attacks/")}
+    if attacks:
+        out += ["", "| preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |", "|---|---|---|---|---|---|"]
+        for preset, e in attacks.items():
+            for name, a in e["attacks"].items():
+                voc = "-" if a["vocab_recovery"] is None else f"{a['vocab_recovery']:.4f}"
+                out.append(f"| {preset} | {name} | {a['ttrsr']:.3f} | {a['piirsr']:.3f} | {voc} | {a['seconds']:.0f} |")
+    return "\n".join(out)
+
+
+SUMMARY = ("obfuscated vs plaintext GGUF on llama.cpp at the same quantization (q8_0, q4_k_m): fidelity, greedy "
+           "identity with margins, HumanEval pass@1, decode speed, attacks on the same checkpoints")
+CONFIGS = {
+    # docs/serving-gguf.md and docs/accuracy.md: the 1.5B model (hours on 2 cores)
+    "qwen-coder-1.5b": Settings(),
+    # a check that the path runs: SmolLM2, one preset, two prompts, two problems, no attack
+    "smoke": Settings(model="smollm2", fidelity=("default:q8_0",), prompts=2, reply_tokens=8,
+                      humaneval=("plaintext:q8_0", "default:q8_0"), humaneval_subset="2", max_new_tokens=16,
+                      attacks=(), n_ctx=1024),
+}
+DEFAULT_CONFIG = "qwen-coder-1.5b"
+DOCS = ("docs/serving-gguf.md", "docs/accuracy.md")
+NOTES = "needs llama-cpp-python; the 1.5B config obfuscates three presets (about 10 min each) and runs for hours"
