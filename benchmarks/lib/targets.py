@@ -76,3 +76,18 @@ def obfuscated(src: Path, params: Any, seed: int, work: Path | None = None, **ob
         shutil.rmtree(root, ignore_errors=True)
         os.replace(tmp, root)
     return Target(Path(src), root / "model", root / "key.json", key)
+
+
+def plaintext_reference(src: Path, work: Path | None = None) -> Path:
+    """The plaintext model as the float32 checkpoint the obfuscation starts from (export.gguf's
+    plaintext_reference_dir), built once (atomically) and shared by the experiments that compare with it."""
+    from aloepri.export.gguf import plaintext_reference_dir
+
+    root = Path(work or WORK) / "gguf" / f"{Path(src).stem}-plaintext-f32"
+    if not (root / "config.json").exists():
+        tmp = root.with_name(root.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed build leaves only this, removed here
+        plaintext_reference_dir(src, tmp)
+        shutil.rmtree(root, ignore_errors=True)
+        os.replace(tmp, root)
+    return root
