@@ -9,7 +9,7 @@ quantizer applied to an f32 export. The plaintext model at a type is the same de
 started from (``plaintext_reference_dir``), exported by the same exporter at the same type. llama-cpp-python runs
 both with the same threads, context and f32 logits; one model is loaded at a time.
 
-- ``fidelity`` (``PRESET:TYPE``): the first ``prompts`` built-in chat prompts, each followed by the plaintext model's
+- ``fidelity`` (``PRESET:TYPE``, or ``PRESET@SEED:TYPE`` for another key): the first ``prompts`` built-in chat prompts, each followed by the plaintext model's
   greedy reply at that type (``reply_tokens``). Teacher-forced over the reply: top-1 agreement and mean
   KL(plaintext || obfuscated) in nats, the obfuscated logits mapped back through the key. Greedy identity: the
   obfuscated model's own greedy reply against the plaintext one; at the first divergence, both models' margins
@@ -70,11 +70,14 @@ class Models:
         self.work.mkdir(parents=True, exist_ok=True)
 
     def target(self, preset: str):
+        """``preset`` or ``preset@SEED`` (another key of the same preset)."""
         import aloepri
 
         from ..lib.targets import obfuscated
 
-        return obfuscated(self.src, aloepri.resolve_params(preset), self.s.seed, dtype=self.s.dtype)
+        name, _, seed = preset.partition("@")
+        return obfuscated(self.src, aloepri.resolve_params(name), int(seed) if seed else self.s.seed,
+                          dtype=self.s.dtype)
 
     def gguf(self, preset: str, qtype: str) -> Path:
         from aloepri.export.gguf import export_gguf
@@ -212,7 +215,7 @@ def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
 def target_params(models: Models, preset: str) -> dict:
     import aloepri
 
-    return aloepri.resolve_params(preset).to_dict()
+    return aloepri.resolve_params(preset.partition("@")[0]).to_dict()
 
 
 class LlamaCppRunner:
@@ -346,6 +349,9 @@ CONFIGS = {
     # the same harness on the two smaller real models, for the table across scales
     "qwen-coder": Settings(model="qwen-coder"),
     "smollm2": Settings(model="smollm2"),
+    # greedy identity over keys: SmolLM2's `exact` output (h = 128) in float32 on llama.cpp, 20 keys x 4 prompts
+    "smollm2-exact-keys": Settings(model="smollm2", dtype="float32", prompts=4, humaneval=(), attacks=(),
+                                   fidelity=tuple(f"exact@{k}:f32" for k in range(1, 21))),
     # a check that the path runs: SmolLM2, one preset, two prompts, two problems, no attack
     "smoke": Settings(model="smollm2", fidelity=("default:q8_0",), prompts=2, reply_tokens=8,
                       humaneval=("plaintext:q8_0", "default:q8_0"), humaneval_subset="2", max_new_tokens=16,
