@@ -4,6 +4,9 @@
     ...the report of that stored config (with --table N: only its N-th table, counting from 1)...
     <!-- /benchmarks:report -->
 
+``--config A,B`` renders one table from several configs: the rows of each config's N-th table (default the first)
+under their common header, in the order given.
+
 ``render-docs`` rewrites every block from the results store; ``render-docs --check`` lists the blocks that differ
 from it. Figures a report draws go to a temporary folder, so rendering writes nothing but the docs.
 """
@@ -32,8 +35,12 @@ class MarkerError(UsageError):
 @dataclass(frozen=True)
 class Spec:
     experiment: str
-    config: str
+    config: str  # one config, or several joined by commas (their tables merged)
     table: int | None = None  # 1-based index of one table of the report; None: the whole report
+
+    @property
+    def configs(self) -> list[str]:
+        return self.config.split(",")
 
     @classmethod
     def parse(cls, text: str) -> Spec:
@@ -49,6 +56,8 @@ class Spec:
             options[flag] = rest.pop(0)
         if "--config" not in options:
             raise ValueError(f"{text!r} names no --config")
+        if not all(options["--config"].split(",")):
+            raise ValueError(f"--config {options['--config']!r} has an empty name")
         table = options.get("--table")
         if table is not None and not (table.isdigit() and int(table) >= 1):
             raise ValueError(f"--table takes a whole number from 1, got {table!r}")
@@ -135,15 +144,23 @@ class Renderer:
             self._reports[key] = exp.report(store).strip("\n")
         return self._reports[key]
 
+    def table(self, experiment: str, config: str, n: int) -> str:
+        found = tables(self.report(experiment, config))
+        if n > len(found):
+            raise UsageError(f"{experiment} / {config}: --table {n}, but the report has {len(found)} table(s)")
+        return found[n - 1]
+
     def __call__(self, spec: Spec) -> str:
-        text = self.report(spec.experiment, spec.config)
-        if spec.table is None:
-            return text
-        found = tables(text)
-        if spec.table > len(found):
-            raise UsageError(f"{spec.experiment} / {spec.config}: --table {spec.table}, but the report has "
-                             f"{len(found)} table(s)")
-        return found[spec.table - 1]
+        if len(spec.configs) == 1:
+            text = self.report(spec.experiment, spec.config)
+            return text if spec.table is None else self.table(spec.experiment, spec.config, spec.table)
+        parts = [self.table(spec.experiment, c, spec.table or 1).split("\n") for c in spec.configs]
+        head = parts[0][:2]
+        for config, part in zip(spec.configs, parts):
+            if part[:2] != head:
+                raise UsageError(f"{spec.experiment} / {config}: its table's header differs from "
+                                 f"{spec.configs[0]}'s, so they cannot be merged")
+        return "\n".join(head + [row for part in parts for row in part[2:]])
 
 
 def rewrite(text: str, render: Callable[[Spec], str], where: str = "<text>") -> tuple[str, list[Block]]:

@@ -45,8 +45,10 @@ def test_spec_parsing():
     assert Spec.parse("exp --config c") == Spec("exp", "c")
     assert Spec.parse("exp --config c --table 2") == Spec("exp", "c", 2)
     assert str(Spec("exp", "c", 2)) == "exp --config c --table 2"
+    assert Spec.parse("exp --config a,b").configs == ["a", "b"]
     for bad, says in [("--config c", "names no experiment"), ("exp", "no --config"), ("exp --config", "expected"),
-                      ("exp --config c --table 0", "whole number"), ("exp --config c --other x", "expected")]:
+                      ("exp --config c --table 0", "whole number"),
+                      ("exp --config a,", "empty name"), ("exp --config c --other x", "expected")]:
         with pytest.raises(ValueError, match=says):
             Spec.parse(bad)
 
@@ -106,3 +108,11 @@ def test_check_mode_lists_stale_blocks_without_writing(tmp_path):
     assert render_docs([doc], check=True) == []
     run = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run
+
+
+def test_several_configs_merge_into_one_table_under_their_common_header():
+    name, cfg = _stored()
+    with Renderer() as render:
+        one = render(Spec(name, cfg, 1)).split("\n")
+        merged = render(Spec(name, f"{cfg},{cfg}")).split("\n")
+    assert merged == one + one[2:]
