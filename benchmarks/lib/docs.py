@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from aloepri.storage.staging import write_text_atomic
+
 from .registry import get_experiment
 from .store import ResultStore, UsageError
 
@@ -184,18 +186,6 @@ def default_files() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, path.stat().st_mode & 0o777)  # mkstemp's 0600 would replace the file's mode
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def render_docs(files: Iterable[Path], check: bool = False, root: Path | None = None) -> list[str]:
     """Render every block of ``files`` (writing the files whose blocks changed unless ``check``); returns
     ``FILE:LINE: SPEC`` for each block that was stale."""
@@ -207,5 +197,5 @@ def render_docs(files: Iterable[Path], check: bool = False, root: Path | None = 
             new, changed = rewrite(text, render, where)
             stale += [f"{where}:{b.open_line + 1}: {b.spec}" for b in changed]
             if changed and not check:
-                write_atomic(path, new)
+                write_text_atomic(path, new)
     return stale

@@ -116,3 +116,20 @@ def test_several_configs_merge_into_one_table_under_their_common_header():
         one = render(Spec(name, cfg, 1)).split("\n")
         merged = render(Spec(name, f"{cfg},{cfg}")).split("\n")
     assert merged == one + one[2:]
+
+
+def test_docs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    import os
+
+    from aloepri.storage import staging
+
+    doc = tmp_path / "doc.md"
+    doc.write_text("old\n")
+    monkeypatch.setattr(staging.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        staging.write_text_atomic(doc, "new\n")
+    assert doc.read_text() == "old\n" and os.listdir(tmp_path) == ["doc.md"]
+    monkeypatch.undo()
+    staging.write_text_atomic(doc, "new\n")
+    assert doc.read_text() == "new\n" and os.listdir(tmp_path) == ["doc.md"]
+    assert doc.stat().st_mode & 0o777 == 0o666 & ~staging.current_umask()
