@@ -1,9 +1,10 @@
-"""``python -m benchmarks list | run NAME | report NAME`` (see benchmarks/__init__.py)."""
+"""``python -m benchmarks list | run NAME | report NAME | render-docs`` (see benchmarks/__init__.py)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from .lib import UsageError, all_experiments, get_experiment
 from .lib.fields import parse_assignments, to_jsonable
@@ -75,6 +76,20 @@ def _report(args) -> int:
     return 0
 
 
+def _render_docs(args) -> int:
+    from .lib.docs import default_files, render_docs
+
+    files = [Path(f) for f in args.files] if args.files else default_files()
+    stale = render_docs(files, check=args.check)
+    for line in stale:
+        print(f"{line}: {'stale' if args.check else 'rendered'}")
+    if args.check and stale:
+        print(f"{len(stale)} report block(s) differ from the store; `python -m benchmarks render-docs` rewrites them",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description="aloepri's experiments")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -93,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p.add_argument("--config")
     p.set_defaults(func=_report)
+    p = sub.add_parser("render-docs", help="rewrite the docs' report blocks from the stored results")
+    p.add_argument("files", nargs="*", help="Markdown files (default: README.md and docs/*.md)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 listing the stale blocks")
+    p.set_defaults(func=_render_docs)
     args = ap.parse_args(argv)
     try:
         return args.func(args)

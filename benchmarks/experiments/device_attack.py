@@ -217,6 +217,10 @@ CONFIGS = {
     # for a GPU machine with no download and no network: Llama-3.1-8B's width (d 4096, ff 14336), 2 layers, 16k vocabulary
     "synthetic-cuda": Settings(model="synthetic:llama-3.1-8b", preset="default", devices=("cuda", "cpu"),
                                batches=("default", "128"), threads=16, plan="synthetic"),
+    # the same with Llama-3.1's full vocabulary and 4 layers (measured on one H100)
+    "synthetic-cuda-vocab128k": Settings(model="synthetic:llama-3.1-8b", preset="default", devices=("cuda", "cpu"),
+                                         batches=("default", "128"), threads=16, plan="synthetic",
+                                         synthetic_layers=4, synthetic_vocab=128256),
     "synthetic-cpu": Settings(model="synthetic:llama-3.1-8b", preset="default", batches=("default",),
                               plan="synthetic"),
 }

@@ -39,6 +39,7 @@ class ResultStore:
         self.settings = settings
         self.path = (root or RESULTS) / experiment / f"{config}.json"
         self.run_index: int | None = None
+        self.figure_dir: Path | None = None  # where reports draw their figures; None: beside the results
 
     # ---- reading
     def load(self) -> dict:
@@ -127,8 +128,9 @@ class ResultStore:
             entry.update(fields, run=self.run_index, written=now())
 
     def figure_path(self, suffix: str = ".png") -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return self.path.with_suffix(suffix)
+        folder = self.figure_dir or self.path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / self.path.with_suffix(suffix).name
 
 
 _OWN_FIELDS = ("run", "written")

@@ -6,22 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+from ..storage.staging import write_text_atomic
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -83,8 +71,8 @@ def cmd_baseline(a: argparse.Namespace) -> int:
         report["fidelity"] = fidelity(method, model, user_content_prompts(tok), seed)
     out = Path(a.report_dir)
     stem = f"baseline-{a.method}" + ("" if a.method == "sgt" else f"-eps{a.eps:g}")
-    _write_atomic(out / f"{stem}.json", json.dumps(report, indent=1))
-    _write_atomic(out / f"{stem}.md", markdown(report))
+    write_text_atomic(out / f"{stem}.json", json.dumps(report, indent=1))
+    write_text_atomic(out / f"{stem}.md", markdown(report))
     print(markdown(report))
     print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
     return 0

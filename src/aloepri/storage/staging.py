@@ -110,6 +110,21 @@ def make_staging_file(target: Path, suffix: str) -> tuple[int, Path]:
     return fd, Path(name)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text output whole or not at all: a staged sibling, given ordinary modes, renamed over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = make_staging_file(path, ".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        give_ordinary_modes(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def current_umask() -> int:
     """The process umask (Python can only read it by setting it; it is set back at once)."""
     mask = os.umask(0o077)
