@@ -16,6 +16,7 @@ _PUBLIC = {
     "PRESETS": ".obfuscation.params", "ObfuscationParams": ".obfuscation.params",
     "resolve_params": ".obfuscation.params",
     "ObfuscationResult": ".obfuscation.pipeline", "obfuscate": ".obfuscation.pipeline",
+    "serving_dtype": ".obfuscation.pipeline",
     "PrivateModel": ".runtime.inference",
     "Client": ".serving.client", "AsyncClient": ".serving.client",
 }
