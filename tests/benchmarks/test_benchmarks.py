@@ -262,3 +262,28 @@ def test_device_attack_synthetic_plan_runs_on_the_cpu_with_tiny_sizes(tiny_dir, 
     assert eq["top1_agreement"] == 1.0 and eq["relative_error"] < 1e-4 and eq["obfuscate_seconds"] > 0
     assert all(entries[k]["ttrsr"] > 0.5 and entries[k]["ran_on"] == "cpu" for k in entries if "behavioural" in k)
     assert "behavioural, batch 5" in device_attack.report(store)
+
+
+def test_scale_trend_fit_and_points():
+    """scale_trend's least-squares fit recovers a line, its prediction interval widens with the distance from the
+    measured sizes, and a model's point is read from llamacpp_quantized's entries only when all of it is there."""
+    import math
+
+    from benchmarks.experiments import scale_trend
+
+    xs = [math.log10(p) for p in (1e8, 5e8, 1.5e9)]
+    exact = scale_trend.fit(xs, [0.5 - 0.1 * x for x in xs])
+    assert abs(exact["slope_per_decade"] + 0.1) < 1e-12 and abs(exact["8B"]["high"] - exact["8B"]["low"]) < 1e-9
+    noisy = scale_trend.fit(xs, [0.3, 0.2, 0.22])
+    for size in ("8B", "14B"):
+        assert noisy[size]["low"] < noisy[size]["fit"] < noisy[size]["high"]
+    assert (noisy["14B"]["high"] - noisy["14B"]["low"]) > (noisy["8B"]["high"] - noisy["8B"]["low"])
+    entries = {"fidelity/noisy:q8_0": {"top1": 0.9, "kl": 0.1},
+               "attacks/noisy": {"attacks": {"vma": {"ttrsr": 0.8}}},
+               "humaneval/plaintext:q8_0/HumanEval/0": {"passed": True},
+               "humaneval/plaintext:q8_0/HumanEval/8": {"passed": True},
+               "humaneval/noisy:q8_0/HumanEval/0": {"passed": False}}
+    p = scale_trend.point(entries, "noisy", "q8_0", "vma")
+    assert p == {"top1": 0.9, "kl": 0.1, "ttrsr": 0.8, "humaneval_problems": 1, "humaneval_plain": 1.0,
+                 "humaneval_obfuscated": 0.0}
+    assert scale_trend.point({k: v for k, v in entries.items() if k != "attacks/noisy"}, "noisy", "q8_0", "vma") is None
