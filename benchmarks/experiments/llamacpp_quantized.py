@@ -15,11 +15,12 @@ both with the same threads, context and f32 logits; one model is loaded at a tim
   obfuscated model's own greedy reply against the plaintext one; at the first divergence, both models' margins
   (top-1 minus top-2 logit) there, so a near-tie is told from a real departure. Decode tokens/s of both, side by side.
 - ``humaneval`` (``plaintext:TYPE`` or ``PRESET:TYPE``): pass@1 (greedy) on the problems of ``humaneval_subset``, the
-  prompt and sandbox of aloepri.eval.humaneval, the client mapping ids in and out with the key as a real client does.
+  prompt and sandbox of aloepri.eval.humaneval, the client mapping ids in and out with the key as a real client does;
+  problem by problem, every configuration on a problem before the next, so a partial run compares like with like.
 - ``attacks`` (``PRESET``): ``aloepri attack ATTACKS --budget ci`` on the obfuscated checkpoint (safetensors, the
   weights the GGUF files were exported from), TTRSR and PIIRSR from its report.
 
-Resumable: every prompt-level and problem-level result is its own entry.
+Stages run fidelity, attacks, HumanEval. Resumable: every problem-level result is its own entry.
 """
 from __future__ import annotations
 
@@ -251,21 +252,26 @@ class LlamaCppRunner:
 
 
 def run_humaneval(s: Settings, store: ResultStore, models: Models) -> None:
-    from aloepri.eval.humaneval import evaluate, select_problems
+    """Problem by problem, every configuration on the problem before the next problem (one model loaded at a
+    time), so that a stopped run leaves every configuration measured on the same problems."""
+    from aloepri.eval.humaneval import check_completion, select_problems
     from aloepri.keyfile import load_key
     from aloepri.runtime.tokenizer import load_hf_tokenizer
 
     problems = select_problems(s.humaneval_subset)
-    for spec in s.humaneval:
-        done = {t.split("/", 2)[2]: e for t, e in store.entries().items() if t.startswith(f"humaneval/{spec}/")}
-        if all(t in done for t in problems):
-            continue
-        preset, qtype = _split(spec)
-        key = None if preset == PLAINTEXT else load_key(models.target(preset).key_path)
-        runner = LlamaCppRunner(spec, models.llama(models.gguf(preset, qtype)), load_hf_tokenizer(models.src), key)
-        evaluate(runner, problems, s.max_new_tokens, done=done,
-                 on_result=lambda tid, r, spec=spec: store.put(f"humaneval/{spec}/{tid}", r))
-        del runner
+    tokenizer = load_hf_tokenizer(models.src) if s.humaneval else None
+    for tid, problem in problems.items():
+        for spec in s.humaneval:
+            entry = f"humaneval/{spec}/{tid}"
+            if store.has(entry):
+                continue
+            preset, qtype = _split(spec)
+            key = None if preset == PLAINTEXT else load_key(models.target(preset).key_path)
+            runner = LlamaCppRunner(spec, models.llama(models.gguf(preset, qtype)), tokenizer, key)
+            r = runner.complete(problem, s.max_new_tokens)
+            del runner
+            ex = check_completion(problem, r["completion"])
+            store.put(entry, {**r, "status": ex.status, "detail": ex.detail, "passed": ex.passed})
 
 
 def run_attacks(s: Settings, store: ResultStore, models: Models) -> None:
@@ -291,8 +297,8 @@ def run(s: Settings, store: ResultStore) -> None:
         raise UsageError("llamacpp_quantized needs llama-cpp-python: pip install 'aloepri[llamacpp]'") from None
     models = Models(s)
     run_fidelity(s, store, models)
+    run_attacks(s, store, models)  # the privacy side before the long accuracy run
     run_humaneval(s, store, models)
-    run_attacks(s, store, models)
 
 
 def _humaneval_rows(entries: dict) -> dict[str, dict]:
