@@ -224,11 +224,7 @@ def obfuscate(
     than 128 bits is refused unless ``allow_weak_seed`` (a reproducible, insecure key: tests and benchmarks only).
 
     ``dtype``: the output precision, one of OUTPUT_DTYPES; default the source's (``fp8`` for a block-quantized FP8
-    source, float32 for GGUF). The library keeps float32 for a GGUF source so that ``exact``/``default`` outputs
-    reproduce plaintext logits to float32 rounding, which the equivalence checks rely on; ``aloepri obfuscate``
-    writes ``serving_dtype(src)`` (bfloat16 from a quantized GGUF, a file of serving size) and says so: pass
-    ``dtype=serving_dtype(src)`` for the CLI's choice. ``tp``: refuse an output a ``tp``-GPU tensor-parallel
-    engine could not split.
+    source, float32 for GGUF). ``tp``: refuse an output a ``tp``-GPU tensor-parallel engine could not split.
 
     Every destination is checked before any work. The model is written into a temporary sibling directory and
     the key into a temporary sibling file (mode 0600); the model directory is renamed into place first, then
