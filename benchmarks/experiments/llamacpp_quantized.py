@@ -353,8 +353,9 @@ CONFIGS = {
     # docs/serving-gguf.md and docs/accuracy.md: the 1.5B model (hours on 2 cores)
     "qwen-coder-1.5b": Settings(),
     # the same harness on the two smaller real models, for the table across scales
-    "qwen-coder": Settings(model="qwen-coder"),
-    "smollm2": Settings(model="smollm2"),
+    # (HumanEval without `default`, whose fidelity row shows it lossless)
+    "qwen-coder": Settings(model="qwen-coder", humaneval=("plaintext:q8_0", "noisy:q8_0", "paper:q8_0")),
+    "smollm2": Settings(model="smollm2", humaneval=("plaintext:q8_0", "noisy:q8_0", "paper:q8_0")),
     # greedy identity over keys: SmolLM2's `exact` output (h = 128) in float32 on llama.cpp, 20 keys x 4 prompts
     "smollm2-exact-keys": Settings(model="smollm2", dtype="float32", prompts=4, humaneval=(), attacks=(),
                                    fidelity=tuple(f"exact@{k}:f32" for k in range(1, 21))),
