@@ -97,4 +97,4 @@ def report(store: ResultStore) -> str:
 SUMMARY = "vLLM (CPU) on 1 and 2 tensor-parallel ranks: obfuscated greedy tokens vs plaintext, decode time per token"
 CONFIGS = {"qwen-coder-1.5b": Settings()}
 DOCS = ("docs/serving.md",)
-NOTES = "needs the .venv-vllm interpreter; float32 1.5B: about 5 GB per rank"
+NOTES = "needs the .venv-vllm interpreter; the 1.5B config loads four float32 engines one after another (about 10 min)"
