@@ -116,15 +116,17 @@ def report(store: ResultStore) -> str:
         rows.append(f"| {name} | {b['seconds']:.0f} | {a['seconds']:.0f} | {a['seconds'] / b['seconds']:.2f} | "
                     f"{b['cpu_seconds']:.0f} / {a['cpu_seconds']:.0f} | {_pct(b['ttrsr'])} / {_pct(a['ttrsr'])} | {_pct(b['piirsr'])} / {_pct(a['piirsr'])} | "
                     f"{b['load_average_before'][0]}, {a['load_average_before'][0]} |")
+    if len(rows) == 2:  # no attack timed before and after
+        rows = []
     if "suite/after" in e:
         s = e["suite/after"]
-        rows += ["", f"`attack all --budget ci`, current code: wall {s['wall_seconds'] / 60:.1f} min, CPU "
+        rows += [f"`attack all --budget ci`, current code: wall {s['wall_seconds'] / 60:.1f} min, CPU "
                  f"{s['cpu_seconds'] / 60:.1f} min, loading {s['load_seconds']:.0f} s, attacks {s['attack_seconds']:.0f} s, "
                  f"load average {s['load_average_before'][0]} -> {s['load_average_after'][0]}", "",
                  "| attack | seconds | TTRSR % | PIIRSR % |", "|---|---|---|---|"]
         for name, r in sorted(s["attacks"].items(), key=lambda kv: -kv[1]["seconds"]):
             rows.append(f"| {name} | {r['seconds']:.0f} | {_pct(r['ttrsr'])} | {_pct(r['piirsr'])} |")
-    return "\n".join(rows)
+    return "\n".join(rows).strip()
 
 
 SUMMARY = ("per-attack seconds and TTRSR of `attack NAME --budget ci` on SmolLM2, baseline code against the current "
