@@ -124,6 +124,18 @@ def test_known_pair_ridge_positive_control_exact_preset(tiny_wide_vocab):
     assert res.budget["candidate_pool"] == "full vocabulary" and res.budget["k_known_pairs"] == 300
 
 
+def test_known_pair_ridge_on_a_query_sample_keeps_the_prompt_scores(tiny_wide_vocab):
+    """Matching only the prompts' ids and a uniform draw (budget ci) leaves the prompt scores as they are with
+    every id matched, and estimates the vocabulary recovery on the draw."""
+    torch.set_num_threads(1)
+    t, data = tiny_wide_vocab["exact"], _synthetic_prompts(2048)
+    full = run_known_pair_ridge(t, data, 20, Budget.named("ci"), seed=0, text_metrics=False)
+    part = run_known_pair_ridge(t, data, 20, Budget.named("ci"), seed=0, text_metrics=False, query_sample=512)
+    assert (part.ttrsr, part.piirsr) == (full.ttrsr, full.piirsr)
+    assert part.metrics["vocab_recovery_sample"] == 512 and "512 drawn uniformly" in part.budget["queries"]
+    assert abs(part.metrics["vocab_recovery"] - full.metrics["vocab_recovery"]) < 0.1
+
+
 def test_attacks_are_registered():
     for name in ("tfma", "tfma-domain-aware", "tfma-zero-knowledge", "ridge-k20", "ridge-k300", "ridge-k1000",
                  "freq-ridge"):

@@ -292,11 +292,39 @@ def run_tfma(target: AttackTarget, data: PrivateData, setting: str, budget: Budg
                              f"corpus ({setting}); no weights")
 
 
+def sampled_queries(target: AttackTarget, data: PrivateData, v: int, n: int | None, seed: int
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(obfuscated ids to match, the uniform sample the vocabulary recovery is estimated on): every id when ``n``
+    is None or covers the vocabulary, else the ids of the victim's prompts (their TTRSR stays exact) and ``n``
+    ids drawn uniformly (seeded)."""
+    if n is None or n >= v:
+        return None, None
+    sample = np.sort(np.random.default_rng(seed + 1).choice(v, size=n, replace=False))
+    seen = np.asarray([o for obs in data.observed(target) for o in obs], dtype=np.int64)
+    return np.union1d(sample, seen), sample
+
+
+def score_sampled(target: AttackTarget, data: PrivateData, mapping: np.ndarray, sample: np.ndarray | None,
+                  text_metrics: bool = True) -> dict[str, Any]:
+    """``score_mapping``, with the vocabulary recovery estimated on ``sample`` when only it (and the prompts'
+    ids) were matched."""
+    out = score_mapping(target, data, mapping, text_metrics)
+    if sample is not None:
+        inv = np.argsort(target.true_permutation())
+        out["vocab_recovery"] = float(np.mean(mapping[sample] == inv[sample]))
+        out["vocab_recovery_sample"] = int(len(sample))
+    return out
+
+
+CI_QUERY_SAMPLE = 8192  # budget ci: obfuscated ids matched besides the prompts' (every id at the other budgets)
+
+
 def run_known_pair_ridge(target: AttackTarget, data: PrivateData, k: int, budget: Budget, seed: int = 0,
                          spaces: RowSpaces | None = None, use: Sequence[str] = ("embed", "head"),
-                         text_metrics: bool = True) -> AttackResult:
+                         text_metrics: bool = True, query_sample: int | None = None) -> AttackResult:
     """k known pairs drawn uniformly (seeded) from the vocabulary; map fitted obf -> plain; full-vocabulary
-    nearest neighbour for every obfuscated id."""
+    nearest neighbour for every obfuscated id (``query_sample``: for the prompts' ids and that many drawn
+    uniformly, the vocabulary recovery then estimated on the draw)."""
     spaces = spaces or row_spaces(target, use)
     v = spaces.obf[0].shape[0]
     if not 1 <= k <= v:
@@ -305,17 +333,20 @@ def run_known_pair_ridge(target: AttackTarget, data: PrivateData, k: int, budget
     plain_known = np.random.default_rng(seed).choice(v, size=k, replace=False)
     obf_known = perm[plain_known]  # the oracle: k pairs the attacker is assumed to know
     chosen, lam, cv_table = select_spaces_and_lambda(spaces, obf_known, plain_known, seed)
-    idx, _ = ridge_map(chosen, obf_known, plain_known, lam)
-    mapping = idx[:, 0]
+    query, sample = sampled_queries(target, data, v, query_sample, seed)
+    idx, _ = ridge_map(chosen, obf_known, plain_known, lam, query_obf_ids=query)
+    mapping = idx[:, 0] if query is None else mapping_from_matches(v, query, idx[:, 0])
     mapping[obf_known] = plain_known  # known pairs are known
-    metrics = score_mapping(target, data, mapping, text_metrics)
+    metrics = score_sampled(target, data, mapping, sample, text_metrics)
     inv = np.argsort(perm)
-    unknown = np.setdiff1d(np.arange(v), obf_known)
+    unknown = np.setdiff1d(np.arange(v) if sample is None else sample, obf_known)
     metrics["vocab_recovery_unknown_only"] = float(np.mean(mapping[unknown] == inv[unknown]))
     metrics["cv_retrieval"] = cv_table  # held-out retrieval on the known pairs, per row spaces and lambda
     budget_info = {"k_known_pairs": k, "pairs": "uniform over the vocabulary", "lambda_rel": lam,
                    "row_spaces": chosen.names, "row_spaces_selection": "5-fold CV on the known pairs",
-                   "candidate_pool": "full vocabulary", "queries": "every obfuscated id", "seed": seed}
+                   "candidate_pool": "full vocabulary",
+                   "queries": "every obfuscated id" if query is None else
+                   f"the prompts' ids and {len(sample)} drawn uniformly ({len(query)})", "seed": seed}
     return AttackResult(f"ridge-k{k}", metrics["ttrsr"], metrics["piirsr"], metrics, budget_info,
                         uses=f"obfuscated and public plaintext {'/'.join(chosen.names)} rows, plus {k} known "
                              "(plain, obfuscated) token pairs from the key (oracle; beyond the paper)")
@@ -336,10 +367,13 @@ def _cv_consistent(spaces: RowSpaces, obf_ids: np.ndarray, plain_ids: np.ndarray
 def run_bootstrapped_ridge(target: AttackTarget, data: PrivateData, setting: str, budget: Budget, seed: int = 0,
                            n_seed_pairs: int = 300, self_train_rounds: int = 1, self_train_pairs: int = 3000,
                            lam_rel: float = 1e-2, spaces: RowSpaces | None = None, tokens: int | None = None,
-                           use: Sequence[str] = ("embed", "head")) -> AttackResult:
+                           use: Sequence[str] = ("embed", "head"), query_sample: int | None = None
+                           ) -> AttackResult:
     """No oracle: seed pairs = TFMA's matches for the n most frequent observed ids, kept when a map fitted on the
     other seed pairs predicts them back (cross-validated consistency); then self-training rounds that refit on
-    the most confident mutual matches over the full vocabulary."""
+    the most confident mutual matches over the full vocabulary. ``query_sample``: the last round matches the
+    prompts' ids and that many drawn uniformly (the vocabulary recovery then estimated on the draw); the
+    self-training rounds always match every id."""
     prior, observed, _, info = frequency_streams(target, data, setting, budget, seed, tokens)
     spaces = spaces or row_spaces(target, use)
     v = spaces.obf[0].shape[0]
@@ -358,13 +392,16 @@ def run_bootstrapped_ridge(target: AttackTarget, data: PrivateData, setting: str
     if len(pairs_obf) < 2:  # nothing consistent: fall back to the raw TFMA pairs
         pairs_obf, pairs_plain = top_obf, top_plain
     mapping = match.obf_to_plain.copy()
+    query, sample = sampled_queries(target, data, v, query_sample, seed)
     for r in range(self_train_rounds + 1):
-        idx, val = ridge_map(spaces, pairs_obf, pairs_plain, lam_rel)
-        mapping = idx[:, 0].copy()
+        last = r == self_train_rounds
+        idx, val = ridge_map(spaces, pairs_obf, pairs_plain, lam_rel, query_obf_ids=query if last else None)
+        mapping = mapping_from_matches(v, query, idx[:, 0]) if last and query is not None else idx[:, 0].copy()
         margin = val[:, 0] - val[:, 1]
+        on = np.arange(v) if not last or sample is None else sample
         trace.append({"stage": f"ridge round {r}", "pairs": int(len(pairs_obf)),
-                      "vocab_recovery": float(np.mean(mapping == inv))})
-        if r == self_train_rounds:
+                      "vocab_recovery": float(np.mean(mapping[on] == inv[on]))})
+        if last:
             break
         # mutual nearest neighbours with the largest margins become the next round's pairs
         first = np.full(v, -1, dtype=np.int64)
@@ -380,9 +417,11 @@ def run_bootstrapped_ridge(target: AttackTarget, data: PrivateData, setting: str
         pairs_obf = np.asarray(chosen, dtype=np.int64)
         pairs_plain = mapping[pairs_obf]
         trace[-1]["next_pairs_correct"] = float(np.mean(inv[pairs_obf] == pairs_plain))
-    metrics = score_mapping(target, data, mapping)
+    metrics = score_sampled(target, data, mapping, sample)
     metrics["trace"] = trace
     budget_info = {**info, "n_seed_pairs": n_seed_pairs, "self_train_rounds": self_train_rounds,
+                   "last_round_queries": "every obfuscated id" if query is None else
+                   f"the prompts' ids and {len(sample)} drawn uniformly ({len(query)})",
                    "self_train_pairs": self_train_pairs, "lambda_rel": lam_rel, "row_spaces": spaces.names,
                    "seed": seed}
     return AttackResult(f"freq-ridge-{setting}", metrics["ttrsr"], metrics["piirsr"], metrics, budget_info,
@@ -413,7 +452,8 @@ def tfma_zero(target: AttackTarget, data: PrivateData, budget: Budget, seed: int
 
 def _register_ridge(k: int) -> None:
     def attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-        return run_known_pair_ridge(target, data, k, budget, seed)
+        return run_known_pair_ridge(target, data, k, budget, seed,
+                                    query_sample=CI_QUERY_SAMPLE if budget.name == "ci" else None)
 
     attack.__name__ = f"ridge_k{k}"
     attack.__doc__ = f"Known-pair ridge with k={k} oracle pairs (beyond the paper)."
@@ -427,4 +467,5 @@ for _k in (20, 300, 1000):
 @register("freq-ridge")
 def freq_ridge(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """Frequency-bootstrapped ridge, distribution-aware prior, no oracle (beyond the paper)."""
-    return run_bootstrapped_ridge(target, data, "distribution-aware", budget, seed)
+    return run_bootstrapped_ridge(target, data, "distribution-aware", budget, seed,
+                                  query_sample=CI_QUERY_SAMPLE if budget.name == "ci" else None)

@@ -153,6 +153,9 @@ class ISAConfig:
     # "codebook": the observed state's nearest entries in a table of every token's own state at the layer (needs
     # direct matching); "exhaustive" (isa_attention): every token scored exactly on the first layer's attention;
     # "auto": codebook (isa_hidden, direct matching) or relaxed (isa_hidden otherwise), exhaustive (isa_attention)
+    first_pool: int | None = None  # exhaustive proposal: token 0 of the first pair searched among this many most
+    # probable first tokens under the public model (None: the whole vocabulary). The vocab^2 pair search is most
+    # of isa_attention's time; the registered attack sets it at budget ci only
 
     @classmethod
     def for_budget(cls, budget: Budget, **kw: Any) -> "ISAConfig":
@@ -271,13 +274,17 @@ def _row_cost(logits: torch.Tensor, log_obs_row: torch.Tensor) -> torch.Tensor:
     """logits (C, heads, m) of C candidates for one attention row; log_obs_row (heads, m) observed. Mismatch of
     the floored log-probabilities, each observed head matched to its closest candidate head (a relaxation of the
     head assignment that is exact, zero, for the true tokens whatever the head permutation)."""
-    lc = _log_attn(torch.softmax(logits, dim=-1))
-    cost = ((lc[:, None, :, :] - log_obs_row[None, :, None, :]) ** 2).mean(-1)  # (C, obs heads, cand heads)
-    return cost.min(dim=-1).values.mean(-1)
+    lc = _log_attn(torch.softmax(logits, dim=-1)).double()
+    lo = log_obs_row.double()
+    # sum (a - b)^2 = |a|^2 - 2 a.b + |b|^2: no (C, heads, heads, m) difference tensor; float64 keeps the
+    # true tokens' zero exact to ~1e-12
+    cost = (lc ** 2).sum(-1)[:, None, :] - 2 * torch.einsum("chm,om->coh", lc, lo) + (lo ** 2).sum(-1)[None, :, None]
+    cost = cost / lc.shape[-1]  # (C, obs heads, cand heads)
+    return cost.min(dim=-1).values.mean(-1).float()
 
 
-def first_pair_candidates(qk: FirstLayerQK, obs_row1: torch.Tensor, top: int, chunk: int = 128
-                          ) -> list[tuple[int, int]]:
+def first_pair_candidates(qk: FirstLayerQK, obs_row1: torch.Tensor, top: int, chunk: int = 128,
+                          first: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """The ``top`` (token 0, token 1) pairs whose row-1 attention best matches the observed one, over all vocab^2
     pairs (SmolLM2: 2.4e9 pairs, about 1.4e12 multiply-adds, chunked; exact).
 
@@ -285,14 +292,16 @@ def first_pair_candidates(qk: FirstLayerQK, obs_row1: torch.Tensor, top: int, ch
     heads' log-odds, compared as a multiset (sorted) because a head permutation may have relabelled the heads: the
     true pair matches exactly whatever the permutation. A cheap screen (max, min and mean over heads) keeps
     16 x ``top`` pairs for the sorted comparison. Log-odds are clipped where the observed probabilities are floored.
-    obs_row1: (heads, 2) observed probabilities."""
+    obs_row1: (heads, 2) observed probabilities. ``first``: the token-0 ids searched (default: every token)."""
     vocab = qk.q.shape[0]
+    first = torch.arange(vocab) if first is None else torch.as_tensor(first, dtype=torch.long)
+    n0 = len(first)
     g = qk.group()
     clip = -float(np.log(ATTN_FLOOR))
     log_row = _log_attn(obs_row1)
     y = (log_row[:, 0] - log_row[:, 1]).clamp(-clip, clip)
     y_sorted = torch.sort(y).values
-    k0 = qk.rope(qk.k, 0)[:, g].permute(1, 2, 0).contiguous()  # (H, hd, V) every token's key at position 0
+    k0 = qk.rope(qk.k[first], 0)[:, g].permute(1, 2, 0).contiguous()  # (H, hd, V0) the token-0 keys at position 0
     q1, k1 = qk.rope(qk.q, 1), qk.rope(qk.k, 1)[:, g]
     own = ((q1 * k1).sum(-1) * qk.scaling).T.contiguous()  # (H, V) token 1's score against itself
     q1 = q1.permute(1, 0, 2).contiguous()  # (H, V, hd)
@@ -304,7 +313,7 @@ def first_pair_candidates(qk: FirstLayerQK, obs_row1: torch.Tensor, top: int, ch
         x = torch.bmm(q1[:, c0:c0 + chunk], k0).mul_(qk.scaling).sub_(own[:, c0:c0 + chunk, None]).clamp_(-clip, clip)
         proxy = ((x.amax(0) - y.max()) ** 2 + (x.amin(0) - y.min()) ** 2 + (x.mean(0) - y.mean()) ** 2).flatten()
         vals, idx = torch.topk(-proxy, min(screen, proxy.numel()))
-        cand = torch.stack([idx % vocab, idx // vocab + c0], 1)  # (token 0, token 1)
+        cand = torch.stack([first[idx % n0], idx // n0 + c0], 1)  # (token 0, token 1)
         exact = ((torch.sort(x.flatten(1)[:, idx].T, -1).values - y_sorted) ** 2).mean(-1)
         cost, pairs = torch.cat([cost, exact]), torch.cat([pairs, cand])
         keep = torch.argsort(cost)[:top]
@@ -313,8 +322,8 @@ def first_pair_candidates(qk: FirstLayerQK, obs_row1: torch.Tensor, top: int, ch
 
 
 def exhaustive_attention_candidates(qk: FirstLayerQK, obs_layer0: torch.Tensor, k: int, passes: int = 2,
-                                    chunk: int = 4096, seeds: int = 32, shortlist: int = 256, window: int = 6
-                                    ) -> torch.Tensor:
+                                    chunk: int = 4096, seeds: int = 32, shortlist: int = 256, window: int = 6,
+                                    first: torch.Tensor | None = None) -> torch.Tensor:
     """(n, k) candidates per position from the observed first-layer attention (heads, n, n), every vocabulary
     token scored exactly (``FirstLayerQK``).
 
@@ -324,7 +333,7 @@ def exhaustive_attention_candidates(qk: FirstLayerQK, obs_layer0: torch.Tensor, 
     seed is decoded to the end. Later passes re-score each position on every row it enters within ``window``
     (its query in its own row, its key in the later rows), the others fixed, over a shortlist (its ``shortlist``
     best tokens on its own row; for positions 0 and 1, the tokens of the seed pairs). Column 0 is each position's
-    best token."""
+    best token. ``first``: token 0 of the seed pairs searched among these ids only (default: every token)."""
     n = obs_layer0.shape[-1]
     vocab = qk.q.shape[0]
     g = qk.group()
@@ -333,25 +342,32 @@ def exhaustive_attention_candidates(qk: FirstLayerQK, obs_layer0: torch.Tensor, 
     cands = torch.zeros(n, min(k, vocab), dtype=torch.long)
     short: list[torch.Tensor] = [torch.arange(vocab)] * n
 
+    # RoPE moved to the few fixed vectors: <R_t q, v> = <q, R_t^T v> and <R_t q, R_t k> = sum q k (cos_t^2 + sin_t^2),
+    # so the candidates' raw rows are used as they are and no vocabulary-sized table is rotated per call
+    half = qk.cos.shape[-1] // 2
+    if not (torch.equal(qk.cos[:, :half], qk.cos[:, half:]) and torch.equal(qk.sin[:, :half], qk.sin[:, half:])):
+        raise ValueError("RoPE tables that differ between the two halves of a head are not supported")
+    kg = qk.k[:, g]  # (V, H, hd) every token's key, per query head
+    qk_own = qk.q * kg  # (V, H, hd): summed against cos_t^2 + sin_t^2, a token's score against itself at t
+
     def costs(t: int, rows: Sequence[int], ids: torch.Tensor | None = None) -> torch.Tensor:
         fixed_k = torch.stack([qk.rope(qk.k[int(seq[j])], j) for j in range(n)])[:, g]  # (n, H, hd)
-        ids = torch.arange(vocab) if ids is None else ids
-        out = torch.zeros(len(ids))
-        for c0 in range(0, len(ids), chunk):
-            sel = ids[c0:c0 + chunk]
-            kv = qk.rope(qk.k[sel], t)[:, g]  # (C, H, hd): the candidates' keys at position t
-            qv = qk.rope(qk.q[sel], t)  # (C, H, hd): their queries at t
-            total = torch.zeros(len(sel))
+        out = torch.zeros(vocab if ids is None else len(ids))
+        pre_k = qk.unrope(fixed_k[:t], t).permute(1, 2, 0)  # (H, hd, t): the prefix keys seen from position t
+        own_w = qk.cos[t] ** 2 + qk.sin[t] ** 2
+        for c0 in range(0, len(out), chunk):
+            sel = slice(c0, c0 + chunk) if ids is None else ids[c0:c0 + chunk]
+            total = torch.zeros(len(out[c0:c0 + chunk]))
             for u in rows:
                 if u == t:  # the candidate's own row: its query against the prefix keys and its own key
-                    pre = torch.einsum("chd,jhd->chj", qv, fixed_k[:t])
-                    own = (qv * kv).sum(-1, keepdim=True)
+                    pre = torch.bmm(qk.q[sel].transpose(0, 1), pre_k).transpose(0, 1)  # (C, H, t)
+                    own = (qk_own[sel] @ own_w).unsqueeze(-1)
                     logits = torch.cat([pre, own], -1)
                 else:  # a later row: the candidate only changes the key at column t
                     qu = qk.rope(qk.q[int(seq[u])], u)  # (H, hd)
                     base = torch.einsum("hd,jhd->hj", qu, fixed_k[:u + 1])
-                    logits = base.unsqueeze(0).repeat(len(sel), 1, 1)
-                    logits[:, :, t] = (qu.unsqueeze(0) * kv).sum(-1)
+                    logits = base.unsqueeze(0).repeat(len(total), 1, 1)
+                    logits[:, :, t] = (kg[sel] * qk.unrope(qu, t)).sum(-1)
                 total += _row_cost(logits * qk.scaling, log_obs[:, u, :u + 1])
             out[c0:c0 + chunk] = total
         return out
@@ -370,7 +386,7 @@ def exhaustive_attention_candidates(qk: FirstLayerQK, obs_layer0: torch.Tensor, 
     with torch.no_grad():
         if n < 2:
             return cands
-        pairs = first_pair_candidates(qk, obs_layer0[:, 1, :2].float(), seeds)
+        pairs = first_pair_candidates(qk, obs_layer0[:, 1, :2].float(), seeds, first=first)
         probe = min(n, 5)
         best = min(pairs, key=lambda pr: (decode_from(pr, probe) if probe > 2 else 0.0, pr))
         decode_from(best, n)
@@ -387,6 +403,15 @@ def exhaustive_attention_candidates(qk: FirstLayerQK, obs_layer0: torch.Tensor, 
                 cands[t, :len(top)] = top
                 cands[t, len(top):] = top[0]
     return cands
+
+
+def likely_first_tokens(model, n: int) -> torch.Tensor:
+    """The ``n`` most probable first tokens of a text under the public model (its next-token distribution after
+    its BOS, else EOS, token): an attacker's prior for token 0, no victim data."""
+    start = next((t for t in (model.config.bos_token_id, model.config.eos_token_id, 0) if isinstance(t, int)), 0)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[start]], device=model_device(model))).logits[0, -1]
+    return torch.topk(logits.float().cpu(), min(n, logits.shape[-1])).indices
 
 
 def _chunked(loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -573,10 +598,11 @@ def isa_anchor_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
             hp = layer_states(target.plain_model, cfg.layer,
                               input_ids=torch.tensor([data.plain_ids[i][: cfg.max_len]], device=dev))[0].double()
             errs.append(float(((to_plain(ho).double() - hp).norm(dim=-1) / hp.norm(dim=-1).clamp_min(1e-12)).mean()))
-        plain_emb = F.normalize(ModelModules(target.plain_model).embed.weight.double(), dim=-1)
+        plain_emb = F.normalize(ModelModules(target.plain_model).embed.weight.float(), dim=-1)
         obf_emb = ModelModules(target.obf_model).embed.weight.double()
-        # 1024 rows at a time: a (rows x vocabulary) float64 block is 0.4 GB on a 49k vocabulary (1.2 GB on 150k)
-        guess = torch.cat([(F.normalize(obf_emb[i:i + 1024] @ W, dim=-1) @ plain_emb.T).argmax(-1)
+        # the map in float64, the vocabulary x vocabulary cosines in float32 (half the time of float64: the
+        # largest step of the attack at budget ci); 1024 rows at a time
+        guess = torch.cat([(F.normalize(obf_emb[i:i + 1024] @ W, dim=-1).float() @ plain_emb.T).argmax(-1)
                            for i in range(0, obf_emb.shape[0], 1024)]).cpu()
     truth = torch.as_tensor(np.argsort(target.true_permutation()))  # obfuscated id -> plaintext id
     metrics = {**res.metrics, "map_relative_error_on_victim_states": float(np.mean(errs)),
@@ -598,7 +624,7 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
     idx = _prompts(data, observed, cfg)
     plain = target.plain_model
     predicted, losses, proposals = [], [], []
-    qk = None
+    qk = first = None
     for i in idx:
         obs_ids = torch.tensor([observed[i][: cfg.max_len]])
         with torch.no_grad():
@@ -630,7 +656,8 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
         if proposal == "exhaustive":
             if qk is None:  # one table per attack; prompts are cut at max_len, the RoPE table's length
                 qk = FirstLayerQK.of(plain, cfg.max_len)
-            cands = exhaustive_attention_candidates(qk, obs[0], cfg.refine_k)
+                first = likely_first_tokens(plain, cfg.first_pool) if cfg.first_pool else None
+            cands = exhaustive_attention_candidates(qk, obs[0], cfg.refine_k, first=first)
             # the candidates' column 0 is already a full decoding: refine it (exact Hungarian scoring of all the
             # observed layers) rather than restart a beam from scratch
             seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen, candidates=cands,
@@ -647,6 +674,7 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
         budget={"budget": budget.name, "attention_layers": cfg.layer, "steps": cfg.steps, "lr": cfg.lr,
                 "reassign_every": reassign_every, "beam": cfg.beam, "refine_k": cfg.refine_k,
                 "proposal": sorted(set(proposals)),
+                "first_pair_token0_pool": cfg.first_pool or f"full vocabulary ({plain.config.vocab_size})",
                 "refine_sweeps": cfg.refine_sweeps,
                 "prompts": len(idx), "max_len": cfg.max_len,
                 "candidate_pool": f"full vocabulary ({plain.config.vocab_size})"},
@@ -654,6 +682,9 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
              "victim prompt; head permutation undone by Hungarian matching against the candidate's heads; the "
              "public plaintext model to propose candidates (every vocabulary token scored exactly on the first "
              "layer's attention, or gradient-based relaxation) and to score them; no key, no obfuscated weights")
+
+
+CI_FIRST_POOL = 4096  # isa_attention at budget ci: token 0 of the first pair among the public model's likeliest
 
 
 @register("isa_hidden", on_device=True)
@@ -671,4 +702,6 @@ def isa_anchor(target: AttackTarget, data: PrivateData, budget: Budget, seed: in
 @register("isa_attention")
 def isa_attention(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """ISA on attention scores: invert attention probabilities, head permutation solved by matching."""
-    return isa_attention_attack(target, data, budget, seed)
+    # ci: the first pair over 4,096 x vocab instead of vocab^2 pairs (12x less on a 49k vocabulary)
+    cfg = ISAConfig.for_budget(budget, first_pool=CI_FIRST_POOL if budget.name == "ci" else None)
+    return isa_attention_attack(target, data, budget, seed, cfg=cfg)

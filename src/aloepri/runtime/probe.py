@@ -151,6 +151,10 @@ class FirstLayerQK:
     def rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         return x * self.cos[pos] + _rotate_half(x) * self.sin[pos]
 
+    def unrope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """The transpose of ``rope`` at ``pos``: <rope(q, pos), v> = <q, unrope(v, pos)>."""
+        return x * self.cos[pos] - _rotate_half(x * self.sin[pos])
+
     def group(self) -> torch.Tensor:
         heads, kv_heads = self.q.shape[1], self.k.shape[1]
         return torch.arange(heads) // (heads // kv_heads)

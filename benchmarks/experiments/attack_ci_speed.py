@@ -1,0 +1,139 @@
+"""Per-attack time and result of ``aloepri attack NAME --budget ci`` on SmolLM2, the code of a baseline commit
+against the current code, side by side in one run: for each attack the two run one after the other, each in a
+fresh child process (benchmarks.lib.command_child, the real CLI), so both see the same load. The baseline's
+``src/`` is taken from git (``git archive``) and put first on the child's PYTHONPATH.
+
+Entries ``ATTACK/before`` and ``ATTACK/after``: the attack's own seconds (from its report, models already loaded),
+the child's wall and CPU seconds, TTRSR / PIIRSR / vocabulary recovery, the budget the attack recorded and the
+load average. ``suite/after``: ``attack all --budget ci`` with the current code, every attack's seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..lib import ResultStore
+from ..lib.models import model_path
+from ..lib.provenance import REPO
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"
+    preset: str = "default"
+    attacks: tuple[str, ...] = ("isa_attention",)
+    baseline: str = "6ee5b8978960cbae36ba0f8f9c4d9d6ea2bdd087"  # the code before the ci speed-ups
+    versions: tuple[str, ...] = ("before", "after")
+    suite: bool = False  # also `attack all --budget ci` with the current code
+    seed: int = 20261127
+    prompts: int = 50
+    threads: int = 1
+
+
+def _baseline_src(commit: str, into: Path) -> Path:
+    archive = into / "src.tar"
+    with open(archive, "wb") as f:
+        subprocess.run(["git", "archive", commit, "src"], cwd=REPO, stdout=f, check=True)
+    with tarfile.open(archive) as t:
+        t.extractall(into, filter="data")
+    return into / "src"
+
+
+def _child(argv: list[str], src: Path, work: Path) -> tuple[dict, float]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(src)}
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(work / "child.json"), "--",
+                           *argv], cwd=REPO, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads((work / "child.json").read_text()), wall
+
+
+def _result(r: dict) -> dict:
+    m = r.get("metrics") or {}
+    return {"seconds": round(r["seconds"], 1), "ttrsr": r.get("ttrsr"), "piirsr": r.get("piirsr"),
+            "metrics": {k: v for k, v in m.items() if isinstance(v, (int, float, str)) or v is None},
+            "budget": r.get("budget"), "error": r.get("error")}
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import aloepri
+
+    from ..lib.targets import obfuscated
+
+    target = obfuscated(model_path(s.model), aloepri.resolve_params(s.preset), s.seed)
+    with tempfile.TemporaryDirectory(prefix="attack-ci-speed-") as tmp:
+        srcs = {"before": _baseline_src(s.baseline, Path(tmp)), "after": REPO / "src"}
+        jobs = [(a, v) for a in s.attacks for v in s.versions] + ([("all", "after")] if s.suite else [])
+        for attack, version in jobs:
+            key = f"{'suite' if attack == 'all' else attack}/{version}"
+            if store.has(key):
+                continue
+            with tempfile.TemporaryDirectory(prefix="run-", dir=tmp) as w:
+                work = Path(w)
+                argv = ["attack", attack, "--plain", s.model, "--obfuscated", str(target.model_dir), "--key",
+                        str(target.key_path), "--budget", "ci", "--prompts", str(s.prompts), "--report-dir",
+                        str(work / "attack"), "--quiet", "--threads", str(s.threads)]
+                load_before = [round(x, 2) for x in os.getloadavg()]
+                child, wall = _child(argv, srcs[version], work)
+                report = json.loads((work / "attack" / "attack_report.json").read_text())
+            entry = {"command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv),
+                     "code": s.baseline if version == "before" else "current", "wall_seconds": round(wall, 1),
+                     "cpu_seconds": child["cpu_seconds"], "load_seconds": child["load_seconds"],
+                     "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                     "preset": s.preset}
+            if attack == "all":
+                entry["attacks"] = {r["attack"]: _result(r) for r in report["results"]}
+                entry["attack_seconds"] = round(sum(r["seconds"] for r in report["results"]), 1)
+            else:
+                entry.update(_result(report["results"][0]))
+            store.put(key, entry)
+            print(f"{key}: wall {entry['wall_seconds']} s, load average {load_before[0]} -> "
+                  f"{entry['load_average_after'][0]}", flush=True)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def report(store: ResultStore) -> str:
+    e = store.entries()
+    rows = ["| attack | before s | after s | after / before | child CPU s before / after | TTRSR % before / after | "
+            "PIIRSR % before / after | load avg (before run, after run) |", "|---|---|---|---|---|---|---|---|"]
+    for key in sorted(k for k in e if k.endswith("/before")):
+        name = key.split("/")[0]
+        b, a = e[key], e.get(f"{name}/after")
+        if a is None:
+            continue
+        rows.append(f"| {name} | {b['seconds']:.0f} | {a['seconds']:.0f} | {a['seconds'] / b['seconds']:.2f} | "
+                    f"{b['cpu_seconds']:.0f} / {a['cpu_seconds']:.0f} | {_pct(b['ttrsr'])} / {_pct(a['ttrsr'])} | {_pct(b['piirsr'])} / {_pct(a['piirsr'])} | "
+                    f"{b['load_average_before'][0]}, {a['load_average_before'][0]} |")
+    if len(rows) == 2:  # no attack timed before and after
+        rows = []
+    if "suite/after" in e:
+        s = e["suite/after"]
+        rows += [f"`attack all --budget ci`, current code: wall {s['wall_seconds'] / 60:.1f} min, CPU "
+                 f"{s['cpu_seconds'] / 60:.1f} min, loading {s['load_seconds']:.0f} s, attacks {s['attack_seconds']:.0f} s, "
+                 f"load average {s['load_average_before'][0]} -> {s['load_average_after'][0]}", "",
+                 "| attack | seconds | TTRSR % | PIIRSR % |", "|---|---|---|---|"]
+        for name, r in sorted(s["attacks"].items(), key=lambda kv: -kv[1]["seconds"]):
+            rows.append(f"| {name} | {r['seconds']:.0f} | {_pct(r['ttrsr'])} | {_pct(r['piirsr'])} |")
+    return "\n".join(rows).strip()
+
+
+SUMMARY = ("per-attack seconds and TTRSR of `attack NAME --budget ci` on SmolLM2, baseline code against the current "
+           "code side by side in one run, and the whole `attack all --budget ci`")
+CONFIGS = {"isa_attention": Settings(),
+           "anchor-ridge": Settings(attacks=("isa_anchor", "ridge-k1000", "freq-ridge")),
+           "suite": Settings(attacks=(), suite=True),
+           "smoke": Settings(attacks=("gate-ia",))}
+DOCS = ("README.md", "docs/performance.md")
+NOTES = "a shared 2-core machine: the load average is recorded; before and after run back to back per attack"
