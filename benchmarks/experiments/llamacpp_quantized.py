@@ -1,5 +1,5 @@
 """An obfuscated model served on llama.cpp as people serve it (q8_0, a 4-bit K-quant), against the plaintext GGUF at
-the same quantization: fidelity, greedy identity with its logit margins, HumanEval pass@1, decode speed, and the
+the same quantization: fidelity, greedy identity with its logit margins, HumanEval pass@1, and the
 attacks on the very checkpoints that were measured. Made for Qwen2.5-Coder-1.5B-Instruct, the largest real model
 here; any bundled model name works.
 
@@ -13,7 +13,8 @@ both with the same threads, context and f32 logits; one model is loaded at a tim
   greedy reply at that type (``reply_tokens``). Teacher-forced over the reply: top-1 agreement and mean
   KL(plaintext || obfuscated) in nats, the obfuscated logits mapped back through the key. Greedy identity: the
   obfuscated model's own greedy reply against the plaintext one; at the first divergence, both models' margins
-  (top-1 minus top-2 logit) there, so a near-tie is told from a real departure. Decode tokens/s of both, side by side.
+  (top-1 minus top-2 logit) there, so a near-tie is told from a real departure. Decode seconds per token are
+  stored but not reported: the two models run minutes apart, not side by side.
 - ``humaneval`` (``plaintext:TYPE`` or ``PRESET:TYPE``): pass@1 (greedy) on the problems of ``humaneval_subset``, the
   prompt and sandbox of aloepri.eval.humaneval, the client mapping ids in and out with the key as a real client does;
   problem by problem, every configuration on a problem before the next, so a partial run compares like with like.
@@ -312,9 +313,10 @@ def _humaneval_rows(entries: dict) -> dict[str, dict]:
 
 def report(store: ResultStore) -> str:
     entries = store.entries()
+    # decode speeds are stored, not reported: plaintext and obfuscated run minutes apart, not side by side
     out = ["| preset | type | top-1 | KL (nats) | same greedy reply | divergences: plaintext margin / obfuscated "
-           "margin | decode tokens/s, plaintext / obfuscated | file MB, plaintext / obfuscated |",
-           "|---|---|---|---|---|---|---|---|"]
+           "margin | file MB, plaintext / obfuscated |",
+           "|---|---|---|---|---|---|---|"]
     for k, e in entries.items():
         if not k.startswith("fidelity/"):
             continue
@@ -322,21 +324,18 @@ def report(store: ResultStore) -> str:
                          if "plain_margin" in p) or "-"
         out.append(f"| {e['preset']} | {e['type']} | {e['top1']:.4f} | {e['kl']:.2e} | "
                    f"{e['same_greedy_replies']}/{len(e['prompts'])} | {divs} | "
-                   f"{e['plain_tokens_per_second']:.1f} / {e['obfuscated_tokens_per_second']:.1f} | "
                    f"{e['plain_bytes'] / 1e6:.0f} / {e['obfuscated_bytes'] / 1e6:.0f} |")
     he = _humaneval_rows(entries)
     if he:
         plain = next((rows for spec, rows in he.items() if spec.startswith(PLAINTEXT + ":")), {})
         out += ["", "| HumanEval | problems | passed | pass@1 | plaintext on the same problems | "
-                    "same completion as plaintext | tokens/s |", "|---|---|---|---|---|---|---|"]
+                    "same completion as plaintext |", "|---|---|---|---|---|---|"]
         for spec, rows in he.items():
             n, passed = len(rows), sum(bool(r["passed"]) for r in rows.values())
             common = [t for t in rows if t in plain]
             pp = sum(bool(plain[t]["passed"]) for t in common)
             same = sum(rows[t]["completion"] == plain[t]["completion"] for t in common)
-            toks, secs = sum(r["new_tokens"] for r in rows.values()), sum(r["gen_seconds"] for r in rows.values())
-            out.append(f"| {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} | "
-                       f"{toks / secs:.1f} |")
+            out.append(f"| {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} |")
     attacks = {k.split("/", 1)[1]: e for k, e in entries.items() if k.startswith("attacks/")}
     if attacks:
         out += ["", "| preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |", "|---|---|---|---|---|---|"]
@@ -348,7 +347,7 @@ def report(store: ResultStore) -> str:
 
 
 SUMMARY = ("obfuscated vs plaintext GGUF on llama.cpp at the same quantization (q8_0, q4_k_m): fidelity, greedy "
-           "identity with margins, HumanEval pass@1, decode speed, attacks on the same checkpoints")
+           "identity with margins, HumanEval pass@1, attacks on the same checkpoints")
 CONFIGS = {
     # docs/serving-gguf.md and docs/accuracy.md: the 1.5B model (hours on 2 cores)
     "qwen-coder-1.5b": Settings(),
