@@ -313,36 +313,38 @@ def _humaneval_rows(entries: dict) -> dict[str, dict]:
 
 def report(store: ResultStore) -> str:
     entries = store.entries()
+    model = store.load()["settings"]["model"]
     # decode speeds are stored, not reported: plaintext and obfuscated run minutes apart, not side by side
-    out = ["| preset | type | top-1 | KL (nats) | same greedy reply | divergences: plaintext margin / obfuscated "
+    out = ["| model | preset | type | top-1 | KL (nats) | same greedy reply | divergences: plaintext margin / obfuscated "
            "margin | file MB, plaintext / obfuscated |",
-           "|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|"]
     for k, e in entries.items():
         if not k.startswith("fidelity/"):
             continue
         divs = ", ".join(f"{p['plain_margin']:.2f} / {p['obfuscated_margin']:.2f}" for p in e["prompts"]
                          if "plain_margin" in p) or "-"
-        out.append(f"| {e['preset']} | {e['type']} | {e['top1']:.4f} | {e['kl']:.2e} | "
+        out.append(f"| {model} | {e['preset']} | {e['type']} | {e['top1']:.4f} | {e['kl']:.2e} | "
                    f"{e['same_greedy_replies']}/{len(e['prompts'])} | {divs} | "
                    f"{e['plain_bytes'] / 1e6:.0f} / {e['obfuscated_bytes'] / 1e6:.0f} |")
     he = _humaneval_rows(entries)
     if he:
         plain = next((rows for spec, rows in he.items() if spec.startswith(PLAINTEXT + ":")), {})
-        out += ["", "| HumanEval | problems | passed | pass@1 | plaintext on the same problems | "
-                    "same completion as plaintext |", "|---|---|---|---|---|---|"]
+        out += ["", "| model | HumanEval | problems | passed | pass@1 | plaintext on the same problems | "
+                    "same completion as plaintext |", "|---|---|---|---|---|---|---|"]
         for spec, rows in he.items():
             n, passed = len(rows), sum(bool(r["passed"]) for r in rows.values())
             common = [t for t in rows if t in plain]
             pp = sum(bool(plain[t]["passed"]) for t in common)
             same = sum(rows[t]["completion"] == plain[t]["completion"] for t in common)
-            out.append(f"| {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} |")
+            out.append(f"| {model} | {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} |")
     attacks = {k.split("/", 1)[1]: e for k, e in entries.items() if k.startswith("attacks/")}
     if attacks:
-        out += ["", "| preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |", "|---|---|---|---|---|---|"]
+        out += ["", "| model | preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |",
+                "|---|---|---|---|---|---|---|"]
         for preset, e in attacks.items():
             for name, a in e["attacks"].items():
                 voc = "-" if a["vocab_recovery"] is None else f"{a['vocab_recovery']:.4f}"
-                out.append(f"| {preset} | {name} | {a['ttrsr']:.3f} | {a['piirsr']:.3f} | {voc} | {a['seconds']:.0f} |")
+                out.append(f"| {model} | {preset} | {name} | {a['ttrsr']:.3f} | {a['piirsr']:.3f} | {voc} | {a['seconds']:.0f} |")
     return "\n".join(out)
 
 
