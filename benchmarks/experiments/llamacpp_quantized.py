@@ -5,7 +5,8 @@ here; any bundled model name works.
 
 Models. Each preset is obfuscated once (``seed``, output ``dtype``: bfloat16, what ``aloepri obfuscate`` writes from a
 quantized GGUF) and exported with ``aloepri export-gguf`` at each type named; K-quants come from llama.cpp's own
-quantizer applied to an f32 export. The plaintext model at a type is the same dequantized weights the obfuscation
+quantizer applied to an f32 export; an output whose rows are not multiples of 32 (``paper``'s expansion on the Qwen
+models) is served at f16 instead, against plaintext at f16, and its entry says so. The plaintext model at a type is the same dequantized weights the obfuscation
 started from (``plaintext_reference_dir``), exported by the same exporter at the same type. llama-cpp-python runs
 both with the same threads, context and f32 logits; one model is loaded at a time.
 
@@ -97,6 +98,16 @@ class Models:
             export_gguf(t.model_dir, out, qtype)
         return out
 
+    def served_type(self, preset: str, qtype: str) -> str:
+        """``qtype``, or f16 where the output's rows cannot be cut into 32-value blocks (an expansion h that the
+        head count raised, e.g. ``paper`` on Qwen2.5-Coder: d + 2h = 1800); plaintext is always ``qtype``."""
+        if preset == PLAINTEXT or qtype in ("f32", "f16"):
+            return qtype
+        cfg = json.loads((self.target(preset).model_dir / "config.json").read_text())
+        rows = (cfg["hidden_size"], cfg["intermediate_size"],
+                cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]))
+        return qtype if all(r % 32 == 0 for r in rows) else "f16"
+
     def llama(self, path: Path):
         import llama_cpp
 
@@ -163,8 +174,9 @@ def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
     todo = [spec for spec in s.fidelity if not store.has(f"fidelity/{spec}")]
     if not todo:
         return
+    served = {spec: models.served_type(*_split(spec)) for spec in todo}
     prompts, eos = _prompts(models, s.prompts), _eos(models)
-    for qtype in dict.fromkeys(_split(spec)[1] for spec in todo):
+    for qtype in dict.fromkeys(served.values()):
         plain_path = models.gguf(PLAINTEXT, qtype)
         llm = models.llama(plain_path)
         plain = []  # (prompt ids, reply ids, log-probs over the reply, seconds per token)
@@ -173,8 +185,8 @@ def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
             plain.append((ids, reply, log_softmax(_logits(llm, ids + reply, len(ids) - 1)), spt))
         del llm
         for spec in todo:
-            preset, t = _split(spec)
-            if t != qtype:
+            preset, requested = _split(spec)
+            if served[spec] != qtype:
                 continue
             target = models.target(preset)
             key = load_key(target.key_path)
@@ -205,7 +217,7 @@ def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
             plain_spt = sum(p[3] for p in plain) / len(plain)
             obf_spt = sum(r["obfuscated_seconds_per_token"] for r in prompts_out) / len(prompts_out)
             store.put(f"fidelity/{spec}", {
-                **pooled(parts), "preset": preset, "type": qtype, "prompts": prompts_out,
+                **pooled(parts), "preset": preset, "type": qtype, "requested_type": requested, "prompts": prompts_out,
                 "same_greedy_replies": sum(r["same_greedy_reply"] for r in prompts_out),
                 "plain_tokens_per_second": round(1 / plain_spt, 2), "obfuscated_tokens_per_second": round(1 / obf_spt, 2),
                 "plain_bytes": plain_path.stat().st_size, "obfuscated_bytes": path.stat().st_size,
@@ -268,11 +280,12 @@ def run_humaneval(s: Settings, store: ResultStore, models: Models) -> None:
                 continue
             preset, qtype = _split(spec)
             key = None if preset == PLAINTEXT else load_key(models.target(preset).key_path)
-            runner = LlamaCppRunner(spec, models.llama(models.gguf(preset, qtype)), tokenizer, key)
+            path = models.gguf(preset, models.served_type(preset, qtype))
+            runner = LlamaCppRunner(spec, models.llama(path), tokenizer, key)
             r = runner.complete(problem, s.max_new_tokens)
             del runner
             ex = check_completion(problem, r["completion"])
-            store.put(entry, {**r, "status": ex.status, "detail": ex.detail, "passed": ex.passed})
+            store.put(entry, {**r, "status": ex.status, "detail": ex.detail, "passed": ex.passed, "gguf": path.name})
 
 
 def run_attacks(s: Settings, store: ResultStore, models: Models) -> None:
