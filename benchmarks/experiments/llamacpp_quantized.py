@@ -339,8 +339,9 @@ def report(store: ResultStore) -> str:
         out.append(f"| {model} | {e['preset']} | {e['type']} | {e['top1']:.4f} | {e['kl']:.2e} | "
                    f"{e['same_greedy_replies']}/{len(e['prompts'])} | {divs} | "
                    f"{e['plain_bytes'] / 1e6:.0f} / {e['obfuscated_bytes'] / 1e6:.0f} |")
+    settings = store.load()["settings"]
     he = _humaneval_rows(entries)
-    if he:
+    if settings.get("humaneval"):  # the tables a config's settings ask for, present even while empty
         plain = next((rows for spec, rows in he.items() if spec.startswith(PLAINTEXT + ":")), {})
         out += ["", "| model | HumanEval | problems | passed | pass@1 | plaintext on the same problems | "
                     "same completion as plaintext |", "|---|---|---|---|---|---|---|"]
@@ -351,7 +352,7 @@ def report(store: ResultStore) -> str:
             same = sum(rows[t]["completion"] == plain[t]["completion"] for t in common)
             out.append(f"| {model} | {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} |")
     attacks = {k.split("/", 1)[1]: e for k, e in entries.items() if k.startswith("attacks/")}
-    if attacks:
+    if settings.get("attacks"):
         out += ["", "| model | preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |",
                 "|---|---|---|---|---|---|---|"]
         for preset, e in attacks.items():

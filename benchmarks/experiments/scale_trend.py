@@ -4,9 +4,10 @@ and does that move the weight attack below 50% or 5%?
 Reads the llamacpp_quantized results of the three real models (one harness: llama.cpp, q8_0 against plaintext q8_0,
 the same presets, seed, prompts, HumanEval subset and attack budget) and, per preset, fits each quantity against
 log10(parameters) by least squares: top-1 disagreement with the plaintext model (1 - top-1), the HumanEval pass@1
-change, and the attack's TTRSR. The fit is extrapolated to 8B and 14B with a 90% prediction interval
+change (models that solve no problem in plaintext left out), and the attack's TTRSR. The fit is extrapolated to 8B and 14B with a 90% prediction interval
 (Student t, n - 2 degrees of freedom); with three sizes that is one degree of freedom, so the interval is wide and
-the extrapolation is an extrapolation, not a measurement. run() computes the points and fits from the stored
+the extrapolation is an extrapolation, not a measurement; the figure clips lines and intervals to the
+quantity's range and draws no extrapolation from two sizes. run() computes the points and fits from the stored
 results (nothing is re-measured); report() draws the figure beside the results.
 """
 from __future__ import annotations
@@ -36,12 +37,19 @@ def point(entries: dict, preset: str, qtype: str, attack: str) -> dict | None:
     plain = {k.split("/", 2)[2]: e for k, e in entries.items() if k.startswith(f"humaneval/plaintext:{qtype}/")}
     obf = {k.split("/", 2)[2]: e for k, e in entries.items() if k.startswith(f"humaneval/{preset}:{qtype}/")}
     common = sorted(set(plain) & set(obf))
-    if not (fid and att and attack in att["attacks"] and common):
+    if not (fid and att and attack in att["attacks"]):
         return None
-    return {"top1": fid["top1"], "kl": fid["kl"], "ttrsr": att["attacks"][attack]["ttrsr"],
-            "humaneval_problems": len(common),
-            "humaneval_plain": sum(bool(plain[t]["passed"]) for t in common) / len(common),
-            "humaneval_obfuscated": sum(bool(obf[t]["passed"]) for t in common) / len(common)}
+    point = {"top1": fid["top1"], "kl": fid["kl"], "ttrsr": att["attacks"][attack]["ttrsr"],
+             "served_type": fid["type"], "humaneval_problems": len(common)}
+    if common:  # HumanEval is optional: a model may not have reached it
+        point.update(humaneval_plain=sum(bool(plain[t]["passed"]) for t in common) / len(common),
+                     humaneval_obfuscated=sum(bool(obf[t]["passed"]) for t in common) / len(common))
+    return point
+
+
+VALUES = {"top1_disagreement": lambda p: 1 - p["top1"],
+          "humaneval_change": lambda p: p["humaneval_obfuscated"] - p["humaneval_plain"],
+          "ttrsr": lambda p: p["ttrsr"]}
 
 
 def fit(xs: list[float], ys: list[float]) -> dict:
@@ -78,10 +86,14 @@ def run(s: Settings, store: ResultStore) -> None:
             raise UsageError(f"scale_trend: {preset} has results for {sorted(pts) or 'no model'}; run "
                              "`python -m benchmarks run llamacpp_quantized --config NAME` for the others first")
         xs = [math.log10(p["parameters"]) for p in pts.values()]
-        store.put(preset, {"points": pts, "fits": {
-            "top1_disagreement": fit(xs, [1 - p["top1"] for p in pts.values()]),
-            "humaneval_change": fit(xs, [p["humaneval_obfuscated"] - p["humaneval_plain"] for p in pts.values()]),
-            "ttrsr": fit(xs, [p["ttrsr"] for p in pts.values()])}})
+        fits = {"top1_disagreement": fit(xs, [1 - p["top1"] for p in pts.values()]),
+                "ttrsr": fit(xs, [p["ttrsr"] for p in pts.values()])}
+        # a model that solves nothing in plaintext says nothing about the loss (SmolLM2-135M)
+        he = [p for p in pts.values() if p.get("humaneval_plain")]
+        if len(he) >= 2:
+            fits["humaneval_change"] = fit([math.log10(p["parameters"]) for p in he],
+                                           [p["humaneval_obfuscated"] - p["humaneval_plain"] for p in he])
+        store.put(preset, {"points": pts, "fits": fits})
 
 
 def _interval(f: dict, name: str) -> str:
@@ -91,13 +103,14 @@ def _interval(f: dict, name: str) -> str:
 
 def report(store: ResultStore) -> str:
     entries = store.entries()
-    lines = ["| preset | model | parameters | top-1 | KL | HumanEval pass@1, plaintext / obfuscated | attack TTRSR |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| preset | model | parameters | served as | top-1 | KL | HumanEval pass@1, plaintext / obfuscated | "
+             "attack TTRSR |", "|---|---|---|---|---|---|---|---|"]
     for preset, e in entries.items():
         for config, p in e["points"].items():
-            lines.append(f"| {preset} | {config} | {p['parameters'] / 1e9:.2f}B | {p['top1']:.3f} | {p['kl']:.3f} | "
-                         f"{p['humaneval_plain']:.2f} / {p['humaneval_obfuscated']:.2f} "
-                         f"({p['humaneval_problems']} problems) | {p['ttrsr']:.3f} |")
+            he = (f"{p['humaneval_plain']:.2f} / {p['humaneval_obfuscated']:.2f} ({p['humaneval_problems']} problems)"
+                  if "humaneval_plain" in p else "not measured")
+            lines.append(f"| {preset} | {config} | {p['parameters'] / 1e9:.2f}B | {p['served_type']} | {p['top1']:.3f} | "
+                         f"{p['kl']:.3f} | {he} | {p['ttrsr']:.3f} |")
     lines += ["", "| preset | quantity | slope per 10x parameters | 8B (90% prediction interval) | 14B |",
               "|---|---|---|---|---|"]
     for preset, e in entries.items():
@@ -120,19 +133,23 @@ def draw(entries: dict, png) -> None:
                                           ("humaneval_change", "HumanEval pass@1 change"),
                                           ("ttrsr", "attack TTRSR"))):
             for preset, e in entries.items():
-                pts = sorted(e["points"].values(), key=lambda p: p["parameters"])
+                if q not in e["fits"]:
+                    continue
+                pts = sorted((p for p in e["points"].values() if q != "humaneval_change" or "humaneval_plain" in p),
+                             key=lambda p: p["parameters"])
                 xs = [p["parameters"] for p in pts]
-                ys = {"top1_disagreement": [1 - p["top1"] for p in pts],
-                      "humaneval_change": [p["humaneval_obfuscated"] - p["humaneval_plain"] for p in pts],
-                      "ttrsr": [p["ttrsr"] for p in pts]}[q]
+                ys = [VALUES[q](p) for p in pts]
                 (h,) = ax.plot(xs, ys, "o", label=f"{preset} (measured)")
                 f = e["fits"][q]
-                grid = [min(xs), *EXTRAPOLATE.values()]
-                ax.plot(grid, [f["intercept"] + f["slope_per_decade"] * math.log10(x) for x in grid], "--",
-                        color=h.get_color(), lw=1, label=f"{preset} fit, extrapolated")
-                ext = [(EXTRAPOLATE[n], f[n]) for n in EXTRAPOLATE if n in f]
-                for x, v in ext:
-                    ax.errorbar([x], [v["fit"]], yerr=[[v["fit"] - v["low"]], [v["high"] - v["fit"]]],
+                # the line only where it has an interval (three sizes or more), and inside the quantity's range
+                grid = [min(xs), *EXTRAPOLATE.values()] if f["n"] > 2 else [min(xs), max(xs)]
+                lo, hi = (-1.0, 1.0) if q == "humaneval_change" else (0.0, 1.0)
+                ax.plot(grid, [min(hi, max(lo, f["intercept"] + f["slope_per_decade"] * math.log10(x))) for x in grid],
+                        "--", color=h.get_color(), lw=1, label=f"{preset} fit" + (", extrapolated" if f["n"] > 2 else ""))
+                for name in (n for n in EXTRAPOLATE if n in f):
+                    v = f[name]
+                    mid = min(hi, max(lo, v["fit"]))
+                    ax.errorbar([EXTRAPOLATE[name]], [mid], yerr=[[mid - max(lo, v["low"])], [min(hi, v["high"]) - mid]],
                                 color=h.get_color(), capsize=3, alpha=0.6)
             if q == "ttrsr":
                 ax.axhline(0.5, color="grey", lw=0.8, ls=":")

@@ -278,12 +278,14 @@ def test_scale_trend_fit_and_points():
     for size in ("8B", "14B"):
         assert noisy[size]["low"] < noisy[size]["fit"] < noisy[size]["high"]
     assert (noisy["14B"]["high"] - noisy["14B"]["low"]) > (noisy["8B"]["high"] - noisy["8B"]["low"])
-    entries = {"fidelity/noisy:q8_0": {"top1": 0.9, "kl": 0.1},
+    entries = {"fidelity/noisy:q8_0": {"top1": 0.9, "kl": 0.1, "type": "q8_0"},
                "attacks/noisy": {"attacks": {"vma": {"ttrsr": 0.8}}},
                "humaneval/plaintext:q8_0/HumanEval/0": {"passed": True},
                "humaneval/plaintext:q8_0/HumanEval/8": {"passed": True},
                "humaneval/noisy:q8_0/HumanEval/0": {"passed": False}}
     p = scale_trend.point(entries, "noisy", "q8_0", "vma")
-    assert p == {"top1": 0.9, "kl": 0.1, "ttrsr": 0.8, "humaneval_problems": 1, "humaneval_plain": 1.0,
-                 "humaneval_obfuscated": 0.0}
+    assert p == {"top1": 0.9, "kl": 0.1, "ttrsr": 0.8, "served_type": "q8_0", "humaneval_problems": 1,
+                 "humaneval_plain": 1.0, "humaneval_obfuscated": 0.0}
+    no_humaneval = {k: v for k, v in entries.items() if not k.startswith("humaneval/")}
+    assert "humaneval_plain" not in scale_trend.point(no_humaneval, "noisy", "q8_0", "vma")
     assert scale_trend.point({k: v for k, v in entries.items() if k != "attacks/noisy"}, "noisy", "q8_0", "vma") is None
