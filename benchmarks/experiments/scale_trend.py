@@ -135,7 +135,7 @@ def draw(entries: dict, png) -> None:
             for preset, e in entries.items():
                 if q not in e["fits"]:
                     continue
-                pts = sorted((p for p in e["points"].values() if q != "humaneval_change" or "humaneval_plain" in p),
+                pts = sorted((p for p in e["points"].values() if q != "humaneval_change" or p.get("humaneval_plain")),
                              key=lambda p: p["parameters"])
                 xs = [p["parameters"] for p in pts]
                 ys = [VALUES[q](p) for p in pts]
@@ -155,6 +155,8 @@ def draw(entries: dict, png) -> None:
                 ax.axhline(0.5, color="grey", lw=0.8, ls=":")
                 ax.axhline(0.05, color="grey", lw=0.8, ls="--")
             ax.set_xscale("log")
+            ax.set_xlim(8e7, 2.5e10)
+            ax.minorticks_off()
             ax.set_xlabel("parameters")
             ax.set_title(label, fontsize=9)
             ax.grid(alpha=0.3)
