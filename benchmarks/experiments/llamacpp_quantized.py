@@ -65,12 +65,15 @@ class Models:
     """Obfuscated targets and GGUF files, built on first use and cached (benchmarks.lib.targets)."""
 
     def __init__(self, s: Settings):
+        from aloepri.runtime.tokenizer import load_hf_tokenizer
+
         from ..lib.targets import WORK
 
         self.s = s
         self.src = model_path(s.model)
         self.work = Path(WORK) / "gguf"
         self.work.mkdir(parents=True, exist_ok=True)
+        self.tokenizer = load_hf_tokenizer(self.src)  # the client's plaintext tokenizer, loaded once
 
     def target(self, preset: str):
         """``preset`` or ``preset@SEED`` (another key of the same preset)."""
@@ -145,23 +148,10 @@ def _margin(row) -> float:
     return float(top2[1] - top2[0])
 
 
-def _prompts(models: Models, n: int) -> list[list[int]]:
-    from aloepri.eval.fidelity import BUILTIN_PROMPTS
-    from aloepri.runtime.tokenizer import load_hf_tokenizer
-
-    tok = load_hf_tokenizer(models.src)
-    out = []
-    for p in BUILTIN_PROMPTS[:n]:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
-    return out
-
-
-def _eos(models: Models) -> set[int]:
+def _eos(tokenizer) -> set[int]:
     from aloepri.eval.humaneval import _eos_ids
-    from aloepri.runtime.tokenizer import load_hf_tokenizer
 
-    return set(_eos_ids(load_hf_tokenizer(models.src)))
+    return set(_eos_ids(tokenizer))
 
 
 def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
@@ -175,7 +165,9 @@ def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
     if not todo:
         return
     served = {spec: models.served_type(*_split(spec)) for spec in todo}
-    prompts, eos = _prompts(models, s.prompts), _eos(models)
+    from aloepri.eval.fidelity import builtin_prompt_ids
+
+    prompts, eos = builtin_prompt_ids(models.tokenizer, 0, s.prompts), _eos(models.tokenizer)
     for qtype in dict.fromkeys(served.values()):
         plain_path = models.gguf(PLAINTEXT, qtype)
         llm = models.llama(plain_path)
@@ -221,12 +213,12 @@ def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
                 "same_greedy_replies": sum(r["same_greedy_reply"] for r in prompts_out),
                 "plain_tokens_per_second": round(1 / plain_spt, 2), "obfuscated_tokens_per_second": round(1 / obf_spt, 2),
                 "plain_bytes": plain_path.stat().st_size, "obfuscated_bytes": path.stat().st_size,
-                "source_bytes": models.src.stat().st_size, "params": target_params(models, preset)})
+                "source_bytes": models.src.stat().st_size, "params": target_params(preset)})
             print(f"fidelity/{spec}", json.dumps({k: v for k, v in store.get(f"fidelity/{spec}").items()
                                                   if k not in ("prompts", "params")}), flush=True)
 
 
-def target_params(models: Models, preset: str) -> dict:
+def target_params(preset: str) -> dict:
     import aloepri
 
     return aloepri.resolve_params(preset.partition("@")[0]).to_dict()
@@ -237,21 +229,21 @@ class LlamaCppRunner:
 
     def __init__(self, label: str, llm, tokenizer, key=None):
         self.label, self.llm, self.tokenizer, self.key = label, llm, tokenizer, key
+        self.eos = _eos(tokenizer)
 
     def complete(self, problem: dict, max_new_tokens: int) -> dict:
-        from aloepri.eval.humaneval import _eos_ids, build_prompt_ids, truncate_at_stop
+        from aloepri.eval.humaneval import build_prompt_ids, truncate_at_stop
 
         ids, _ = build_prompt_ids(self.tokenizer, problem)
         to_s = self.key.encode_ids if self.key else (lambda v: list(v))
         from_s = self.key.decode_ids if self.key else (lambda v: list(v))
-        eos = set(_eos_ids(self.tokenizer))
         out: list[int] = []
         text, stopped = "", False
         t0 = time.perf_counter()
         for tok in self.llm.generate(to_s(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                      reset=True):
             plain = from_s([int(tok)])[0]
-            if plain in eos:
+            if plain in self.eos:
                 stopped = True
                 break
             out.append(plain)
@@ -269,10 +261,8 @@ def run_humaneval(s: Settings, store: ResultStore, models: Models) -> None:
     time), so that a stopped run leaves every configuration measured on the same problems."""
     from aloepri.eval.humaneval import check_completion, select_problems
     from aloepri.keyfile import load_key
-    from aloepri.runtime.tokenizer import load_hf_tokenizer
 
     problems = select_problems(s.humaneval_subset)
-    tokenizer = load_hf_tokenizer(models.src) if s.humaneval else None
     for tid, problem in problems.items():
         for spec in s.humaneval:
             entry = f"humaneval/{spec}/{tid}"
@@ -281,7 +271,7 @@ def run_humaneval(s: Settings, store: ResultStore, models: Models) -> None:
             preset, qtype = _split(spec)
             key = None if preset == PLAINTEXT else load_key(models.target(preset).key_path)
             path = models.gguf(preset, models.served_type(preset, qtype))
-            runner = LlamaCppRunner(spec, models.llama(path), tokenizer, key)
+            runner = LlamaCppRunner(spec, models.llama(path), models.tokenizer, key)
             r = runner.complete(problem, s.max_new_tokens)
             del runner
             ex = check_completion(problem, r["completion"])
