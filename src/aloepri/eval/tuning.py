@@ -6,6 +6,12 @@ and accuracy always come from the same run. ``ResultStore`` (aloepri.storage.res
 can share (an exclusive lock around every read-modify-write; a setting is claimed before it is computed), so a
 sweep resumes where it stopped and two workers on two cores split it. ``tune`` searches a candidate list for the
 setting with the lowest attack success inside an accuracy budget and writes a preset file for ``obfuscate``.
+
+``tune`` is a branch and bound over that list, so that it finishes in minutes rather than hours: a setting outside
+the accuracy budget is never attacked (it cannot be chosen), and an admissible setting stops being attacked as soon
+as it provably cannot beat the best admissible setting found so far (its max TTRSR already exceeds the best one's,
+or an attack recovered 100%, which fixes its max). The noisiest candidates go first, so a low bound is found early.
+Every entry records the attacks skipped and why; the choice is the one a full evaluation would make.
 """
 from __future__ import annotations
 
@@ -27,8 +33,9 @@ from ..storage.results import ResultStore
 # Attacks used when none are named: every registered attack that needs no training run (the trained ones, IMA
 # and SDA, are minutes each even at small budgets; name them explicitly to include them). "behavioural" (run both
 # models, match output profiles) is the strongest measured attacker on small-noise settings and costs minutes at
-# the small budget on SmolLM2 (less than VMA's small budget), so the tuner optimises against it too.
-DEFAULT_ATTACKS = ("vma", "gate-ia", "attn-ia", "nn", "tfma", "freq-ridge", "behavioural")
+# the small budget on SmolLM2, so the tuner optimises against it too. They run in this order, cheapest first
+# (Gate-IA takes seconds and recovers ~100% at light noise), which lets the tuner's bound cut a setting early.
+DEFAULT_ATTACKS = ("gate-ia", "tfma", "nn", "attn-ia", "vma", "freq-ridge", "behavioural")
 
 
 @dataclass
@@ -95,9 +102,11 @@ class Evaluator:
         self._data = private_prompts(self._tok, self.private_prompts, seed=0)
 
     def evaluate(self, params: ObfuscationParams, seed: int, workdir: Path | None = None,
-                 stage: Callable[[str], None] = lambda what: None) -> dict[str, Any]:
-        """Obfuscate with ``params``/``seed``, then fidelity and every attack on that output; ``stage`` is told
-        what runs now (for a progress bar)."""
+                 stage: Callable[[str], None] = lambda what: None,
+                 stop: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None) -> dict[str, Any]:
+        """Obfuscate with ``params``/``seed``, then fidelity and the attacks on that output; ``stage`` is told
+        what runs now (for a progress bar). ``stop(fidelity, attacks_so_far)`` is asked before each attack; a
+        reason from it skips the remaining attacks (recorded with the reason, and the max TTRSR marked inexact)."""
         from transformers import AutoModelForCausalLM
 
         from ..obfuscation.pipeline import obfuscate
@@ -120,42 +129,112 @@ class Evaluator:
             target = AttackTarget(self.src, out, key)
             target.__dict__["plain_model"] = self._plain  # share the loaded plaintext model (cached_property slot)
             target.__dict__["tokenizer"] = self._tok
-            attacks = {}
-            for i, name in enumerate(self.attacks):
+            def run(i: int, name: str) -> dict[str, Any]:
                 stage(f"attack {i + 1}/{len(self.attacks)} {name}")
                 res = REGISTRY[name](target, self._data, Budget.named(self.budget), seed)
-                attacks[name] = {"ttrsr": res.ttrsr, "piirsr": res.piirsr, "seconds": res.seconds,
-                                 "budget": res.budget, **{k: v for k, v in res.metrics.items()
-                                                          if isinstance(v, (int, float)) or v is None}}
-        ttrsrs = [a["ttrsr"] for a in attacks.values() if a["ttrsr"] is not None]
-        return {"params": params.to_dict(), "seed": seed, "fidelity": fid, "attacks": attacks,
-                "max_ttrsr": max(ttrsrs) if ttrsrs else None, "budget": self.budget,
+                return {"ttrsr": res.ttrsr, "piirsr": res.piirsr, "seconds": res.seconds, "budget": res.budget,
+                        **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float)) or v is None}}
+
+            outcome = attacks_in_turn(self.attacks, run, None if stop is None else lambda done: stop(fid, done))
+        return {"params": params.to_dict(), "seed": seed, "fidelity": fid, **outcome, "budget": self.budget,
                 "seconds": time.perf_counter() - t0}
 
 
+def attacks_in_turn(names: Sequence[str], run: Callable[[int, str], dict[str, Any]],
+                    stop: Callable[[dict[str, Any]], str | None] | None = None) -> dict[str, Any]:
+    """Run ``run(i, name)`` for each attack in order, asking ``stop(results so far)`` before each; a reason from
+    it skips the rest. Returns an entry's attack fields: per-attack results, the skipped ones and why, the max
+    TTRSR and whether it is exact (with attacks skipped it is a lower bound, unless one already reached 100%)."""
+    attacks: dict[str, Any] = {}
+    stopped = None
+    for i, name in enumerate(names):
+        stopped = stop(attacks) if stop is not None else None
+        if stopped:
+            break
+        attacks[name] = run(i, name)
+    skipped = [a for a in names if a not in attacks]
+    max_ttrsr = _max_ttrsr(attacks)
+    return {"attacks": attacks, "max_ttrsr": max_ttrsr, "attacks_skipped": skipped, "stopped": stopped,
+            "max_ttrsr_exact": not skipped or (max_ttrsr is not None and max_ttrsr >= 1.0)}
+
+
+def _max_ttrsr(attacks: dict[str, Any]) -> float | None:
+    ttrsrs = [a["ttrsr"] for a in attacks.values() if a.get("ttrsr") is not None]
+    return max(ttrsrs) if ttrsrs else None
+
+
+def stop_reason(criterion: Criterion, fidelity: dict[str, Any], attacks: dict[str, Any],
+                best: dict[str, Any] | None) -> str | None:
+    """Why the remaining attacks on a setting cannot change the tuner's choice, or None if they can.
+
+    ``best`` is the admissible setting with the lowest exact max TTRSR so far. The max TTRSR only grows as
+    attacks run, so once it exceeds the best one's (or equals it without a better top-1) this setting loses."""
+    if not criterion.admits(fidelity):
+        return f"outside the accuracy budget ({criterion.describe()}): it cannot be chosen"
+    running = _max_ttrsr(attacks)
+    if running is None:
+        return None
+    if running >= 1.0:
+        return "an attack recovered 100% of tokens: no further attack changes this setting's max TTRSR"
+    if best is None:
+        return None
+    if running > best["max_ttrsr"]:
+        return f"max TTRSR already {running:.4f}, above the best admissible setting's {best['max_ttrsr']:.4f}"
+    if running == best["max_ttrsr"] and fidelity["top1_agreement"] <= best["fidelity"]["top1_agreement"]:
+        return "ties the best admissible setting's max TTRSR without a better top-1"
+    return None
+
+
+def _entry_decides(entry: dict[str, Any], criterion: Criterion | None, best: dict[str, Any] | None) -> bool:
+    """Whether a stored entry is enough for this run: complete, or (for the tuner) its skipped attacks still
+    cannot change the choice."""
+    if entry.get("status") != "done":
+        return False
+    if not entry.get("attacks_skipped"):
+        return True
+    return criterion is not None and stop_reason(criterion, entry["fidelity"], entry["attacks"], best) is not None
+
+
 def sweep(evaluator: Evaluator, settings: Iterable[ObfuscationParams], store: ResultStore, seed: int = 1,
-          label: str = "", progress: bool = True) -> list[dict[str, Any]]:
+          label: str = "", progress: bool = True, criterion: Criterion | None = None) -> list[dict[str, Any]]:
     """Evaluate every setting not yet in ``store`` (resumable; run it from two processes to use two cores), with
-    a progress bar per setting (count, ETA) that names the stage running now."""
+    a progress bar per setting (count, ETA) that names the stage running now.
+
+    With a ``criterion`` (the tuner) a setting's attacks stop once ``stop_reason`` says they cannot change the
+    choice; a stored entry cut short under another budget or bound is recomputed when that no longer holds."""
     settings = list(settings)
     extra = {"attacks": sorted(evaluator.attacks), "budget": evaluator.budget,
              "fidelity_prompts": evaluator.fidelity_prompts, "private_prompts": evaluator.private_prompts}
     keys = [setting_key(str(evaluator.src.name), params, seed, extra) for params in settings]
-    stored = store.load()
-    already = sum(stored.get(k, {}).get("status") == "done" for k in keys)
+
+    def stored_and_best() -> tuple[dict[str, Any], dict[str, Any] | None]:
+        stored = store.load()
+        if criterion is None:
+            return stored, None
+        return stored, choose([stored[k] for k in keys if stored.get(k, {}).get("status") == "done"], criterion)
+
+    stored, best = stored_and_best()
+    already = sum(_entry_decides(stored.get(k, {}), criterion, best) for k in keys)
     done = []
     with Progress(len(settings), label or "settings", unit="setting", enabled=progress, done=already) as bar:
         for params, key in zip(settings, keys):
-            if not store.claim(key, {"label": label, "params": params.to_dict()}):
-                entry = store.load().get(key)
-                if entry and entry.get("status") == "done":
-                    done.append(entry)
+            stored, best = stored_and_best()
+            entry = stored.get(key)
+            if entry and _entry_decides(entry, criterion, best):
+                done.append(entry)
                 continue
+            redo = bool(entry and entry.get("status") == "done")
+            if not store.claim(key, {"label": label, "params": params.to_dict()}, redo=redo):
+                continue  # another worker is computing it
             summary = params_summary(params)
             bar.start(summary)
+            kwargs = {}
+            if criterion is not None:
+                kwargs["stop"] = lambda fid, attacks, best=best: stop_reason(criterion, fid, attacks, best)
             try:
                 entry = {"label": label, "model": evaluator.src.name,
-                         **evaluator.evaluate(params, seed, stage=lambda what: bar.start(f"{summary}: {what}"))}
+                         **evaluator.evaluate(params, seed, stage=lambda what: bar.start(f"{summary}: {what}"),
+                                              **kwargs)}
             except BaseException:
                 store.release(key)
                 raise
@@ -163,8 +242,10 @@ def sweep(evaluator: Evaluator, settings: Iterable[ObfuscationParams], store: Re
             done.append(entry)
             bar.advance()
             f = entry["fidelity"]
+            cut = (f"; {len(entry['attacks_skipped'])} attack(s) skipped: {entry['stopped']}"
+                   if entry.get("attacks_skipped") else "")
             bar.note(f"[{label}] top-1 {f['top1_agreement']:.3f} KL {f['mean_kl']:.4f} max TTRSR "
-                     f"{entry['max_ttrsr']} ({entry['seconds']:.0f} s) {summary}")
+                     f"{entry['max_ttrsr']} ({entry['seconds']:.0f} s) {summary}{cut}")
     return done
 
 
@@ -205,26 +286,35 @@ def parse_candidates(base: ObfuscationParams, alpha_e: str, alpha_h: str | None)
 
 
 def choose(results: Sequence[dict[str, Any]], criterion: Criterion) -> dict[str, Any] | None:
-    """The admissible result with the lowest max TTRSR; ties go to the better top-1 agreement."""
-    ok = [r for r in results if criterion.admits(r["fidelity"]) and r["max_ttrsr"] is not None]
+    """The admissible result with the lowest max TTRSR; ties go to the better top-1 agreement. A result whose
+    attacks were cut short (its max TTRSR a lower bound) is never chosen: it was cut because it loses."""
+    ok = [r for r in results if criterion.admits(r["fidelity"]) and r["max_ttrsr"] is not None
+          and r.get("max_ttrsr_exact", True)]
     if not ok:
         return None
     return min(ok, key=lambda r: (r["max_ttrsr"], -r["fidelity"]["top1_agreement"]))
 
 
 def tune(evaluator: Evaluator, criterion: Criterion, candidates: Sequence[ObfuscationParams], store: ResultStore,
-         out_file: str | Path, seed: int = 1, progress: bool = True) -> dict[str, Any]:
+         out_file: str | Path, seed: int = 1, progress: bool = True, all_attacks: bool = False) -> dict[str, Any]:
     """Evaluate the candidates (resumable), pick the most attack-resistant admissible one, write a preset file
-    that ``aloepri obfuscate --preset-file`` takes. Raises ValueError when no candidate meets the budget."""
-    results = sweep(evaluator, candidates, store, seed=seed, label="tune", progress=progress)
+    that ``aloepri obfuscate --preset-file`` takes. Raises ValueError when no candidate meets the budget.
+
+    By default a branch and bound (module docstring): noisiest candidates first, attacks cut once they cannot
+    change the choice. ``all_attacks`` runs every attack on every candidate (the full table, hours on SmolLM2)."""
+    ordered = sorted(candidates, key=lambda p: p.alpha_e + p.alpha_h, reverse=True)
+    results = sweep(evaluator, ordered, store, seed=seed, label="tune", progress=progress,
+                    criterion=None if all_attacks else criterion)
     best = choose(results, criterion)
     table = [{"params": params_summary(ObfuscationParams.from_dict(r["params"])),
               "top1": r["fidelity"]["top1_agreement"], "kl": r["fidelity"]["mean_kl"], "max_ttrsr": r["max_ttrsr"],
-              "admissible": criterion.admits(r["fidelity"])} for r in results]
+              "max_ttrsr_exact": r.get("max_ttrsr_exact", True), "attacks_run": sorted(r["attacks"]),
+              "stopped": r.get("stopped"), "admissible": criterion.admits(r["fidelity"])} for r in results]
     if best is None:
         raise ValueError(f"no candidate meets the accuracy budget ({criterion.describe()}); measured: {table}")
     preset = {"params": best["params"], "criterion": criterion.describe(), "model": evaluator.src.name,
               "measured": {"fidelity": best["fidelity"], "attacks": best["attacks"], "max_ttrsr": best["max_ttrsr"],
+                           "attacks_skipped": best.get("attacks_skipped", []), "stopped": best.get("stopped"),
                            "budget": best["budget"], "seed": seed},
               "candidates": table}
     out_file = Path(out_file)
@@ -242,6 +332,9 @@ def add_tune_commands(sub) -> None:
     p.add_argument("--out", required=True, help="preset file to write (use with `obfuscate --preset-file`)")
     p.add_argument("--attacks", default=",".join(DEFAULT_ATTACKS), help="comma-separated attack names")
     p.add_argument("--budget", choices=["ci", "small", "full"], default="small")
+    p.add_argument("--all-attacks", action="store_true",
+                   help="run every attack on every candidate (default: skip attacks that cannot change the choice: "
+                        "none on a candidate outside the accuracy budget, and none once a candidate is beaten)")
     p.add_argument("--alpha-e", default=None,
                    help="comma-separated alpha_e candidates (default: 11 settings, embedding-heavy and equal noise)")
     p.add_argument("--alpha-h", default=None,
@@ -275,10 +368,13 @@ def _cmd_tune(a) -> int:
 
     ev = Evaluator(resolve_model(a.src), [x for x in a.attacks.split(",") if x], a.budget, a.prompts, 0, a.private_prompts)
     store = ResultStore(a.results or Path(a.out).with_suffix(".results.json"))
-    preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed, progress=not a.quiet)
+    preset = tune(ev, Criterion(a.max_kl, a.min_top1), candidates, store, a.out, seed=a.seed, progress=not a.quiet,
+                  all_attacks=a.all_attacks)
     m = preset["measured"]
     print(json.dumps({"chosen": preset["params"], "top1": m["fidelity"]["top1_agreement"],
                       "mean_kl": m["fidelity"]["mean_kl"], "max_ttrsr": m["max_ttrsr"],
-                      "per_attack_ttrsr": {k: v["ttrsr"] for k, v in m["attacks"].items()}}, indent=2))
+                      "per_attack_ttrsr": {k: v["ttrsr"] for k, v in m["attacks"].items()},
+                      **({"attacks_skipped": m["attacks_skipped"], "why": m["stopped"]} if m["attacks_skipped"] else {})},
+                     indent=2))
     print(f"wrote {a.out}; use: aloepri obfuscate SRC OUT --key-out KEY --preset-file {a.out}")
     return 0

@@ -39,11 +39,12 @@ class ResultStore:
     def load(self) -> dict[str, Any]:
         return json.loads(self.path.read_text()) if self.path.exists() else {}
 
-    def claim(self, key: str, info: dict[str, Any]) -> bool:
-        """True if this process should compute ``key``: not done and not running in a live process."""
+    def claim(self, key: str, info: dict[str, Any], redo: bool = False) -> bool:
+        """True if this process should compute ``key``: not done (or done but ``redo``: the caller found the
+        stored entry insufficient) and not running in a live process."""
         with self._locked() as data:
             entry = data.get(key)
-            if entry and entry.get("status") == "done":
+            if entry and entry.get("status") == "done" and not redo:
                 return False
             if entry and entry.get("status") == "running" and _alive(entry.get("pid")) and entry.get("pid") != os.getpid():
                 return False
