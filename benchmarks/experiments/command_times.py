@@ -128,5 +128,5 @@ CONFIGS = {"smollm2": Settings(),
            "quick": Settings(commands=("verify", "eval_fidelity")),
            "smoke": Settings(commands=("verify",))}
 DOCS = ("README.md",)
-NOTES = ("a shared machine's load inflates every figure (the load average is recorded); tune's default budget "
-         "(11 settings, 7 attacks at the small budget) takes hours on 2 cores")
+NOTES = ("a shared machine's load inflates every figure (the load average is recorded); tune skips the attacks "
+         "that cannot change its choice, so its time depends on how many settings the accuracy budget admits")

@@ -61,6 +61,23 @@ def _split(spec: str) -> tuple[str, str]:
     return preset, qtype
 
 
+def preset_params(name: str):
+    """``PRESET`` or ``PRESET+FIELD=NUMBER+...`` as ObfuscationParams."""
+    import aloepri
+
+    preset, *overrides = name.split("+")
+    values = {}
+    for item in overrides:
+        field, sep, value = item.partition("=")
+        try:
+            values[field] = float(value) if sep else None
+        except ValueError:
+            values[field] = None
+        if values[field] is None:
+            raise UsageError(f"{name!r}: expected PRESET+FIELD=NUMBER, got {item!r}")
+    return aloepri.resolve_params(preset, **values)
+
+
 class Models:
     """Obfuscated targets and GGUF files, built on first use and cached (benchmarks.lib.targets)."""
 
@@ -76,14 +93,12 @@ class Models:
         self.tokenizer = load_hf_tokenizer(self.src)  # the client's plaintext tokenizer, loaded once
 
     def target(self, preset: str):
-        """``preset`` or ``preset@SEED`` (another key of the same preset)."""
-        import aloepri
-
+        """``preset``, ``preset@SEED`` (another key of the same preset) or ``preset+alpha_e=0.5+alpha_h=0.1``
+        (the preset with parameters overridden: a point of a noise sweep)."""
         from ..lib.targets import obfuscated
 
         name, _, seed = preset.partition("@")
-        return obfuscated(self.src, aloepri.resolve_params(name), int(seed) if seed else self.s.seed,
-                          dtype=self.s.dtype)
+        return obfuscated(self.src, preset_params(name), int(seed) if seed else self.s.seed, dtype=self.s.dtype)
 
     def gguf(self, preset: str, qtype: str) -> Path:
         from aloepri.export.gguf import export_gguf
@@ -283,15 +298,19 @@ def run_attacks(s: Settings, store: ResultStore, models: Models) -> None:
 
     from .device_attack import attack_once
 
+    entries = store.load()["entries"]
     for preset in s.attacks:
-        if store.has(f"attacks/{preset}"):
-            continue
-        t = models.target(preset)
-        with tempfile.TemporaryDirectory(prefix="aloepri-quantized-attack-") as work:
-            row = attack_once(models.src, t.model_dir, t.key_path, s.attack_names, "cpu", "default", "ci", 10,
-                              s.threads, Path(work))
-        store.put(f"attacks/{preset}", {**row, "preset": preset})
-        print(f"attacks/{preset}", json.dumps(row["attacks"]), flush=True)
+        # one `aloepri attack` process and one entry per attack, so a stopped run keeps the attacks it finished;
+        # an entry "attacks/PRESET" (one process for every name) from earlier runs still counts
+        done = {name for k, e in entries.items() if k.startswith("attacks/") and e["preset"] == preset
+                for name in e["attacks"]}
+        for name in [n for n in s.attack_names.split(",") if n and n not in done]:
+            t = models.target(preset)
+            with tempfile.TemporaryDirectory(prefix="aloepri-quantized-attack-") as work:
+                row = attack_once(models.src, t.model_dir, t.key_path, name, "cpu", "default", "ci", 10,
+                                  s.threads, Path(work))
+            store.put(f"attacks/{preset}/{name}", {**row, "preset": preset})
+            print(f"attacks/{preset}/{name}", json.dumps(row["attacks"]), flush=True)
 
 
 def run(s: Settings, store: ResultStore) -> None:
@@ -341,11 +360,12 @@ def report(store: ResultStore) -> str:
             pp = sum(bool(plain[t]["passed"]) for t in common)
             same = sum(rows[t]["completion"] == plain[t]["completion"] for t in common)
             out.append(f"| {model} | {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} |")
-    attacks = {k.split("/", 1)[1]: e for k, e in entries.items() if k.startswith("attacks/")}
+    attacks = [e for k, e in entries.items() if k.startswith("attacks/")]
     if settings.get("attacks"):
         out += ["", "| model | preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |",
                 "|---|---|---|---|---|---|---|"]
-        for preset, e in attacks.items():
+        for e in attacks:
+            preset = e["preset"]
             for name, a in e["attacks"].items():
                 voc = "-" if a["vocab_recovery"] is None else f"{a['vocab_recovery']:.4f}"
                 out.append(f"| {model} | {preset} | {name} | {a['ttrsr']:.3f} | {a['piirsr']:.3f} | {voc} | {a['seconds']:.0f} |")
@@ -361,6 +381,15 @@ CONFIGS = {
     # (HumanEval without `default`, whose fidelity row shows it lossless)
     "qwen-coder": Settings(model="qwen-coder", humaneval=("plaintext:q8_0", "noisy:q8_0", "paper:q8_0")),
     "smollm2": Settings(model="smollm2", humaneval=("plaintext:q8_0", "noisy:q8_0", "paper:q8_0")),
+    # the strongest attacks of the smaller models on the 1.5B model's `paper` checkpoint (the one VMA reads least
+    # of); the checkpoint is the `qwen-coder-1.5b` config's (same seed, same cached target)
+    # a noise sweep at 1.5B between `noisy` (alpha 0.1/0.05, VMA 100%) and `paper` (1.0/0.2 with expansion): the
+    # paper's alpha without the expansion, and half of it, served at q8_0; VMA on the same checkpoints
+    "qwen-coder-1.5b-alpha": Settings(fidelity=("noisy+alpha_e=0.5+alpha_h=0.1:q8_0", "noisy+alpha_e=1.0+alpha_h=0.2:q8_0"),
+                                      humaneval=(), attacks=("noisy+alpha_e=0.5+alpha_h=0.1",
+                                                             "noisy+alpha_e=1.0+alpha_h=0.2")),
+    "qwen-coder-1.5b-strong": Settings(fidelity=(), humaneval=(), attacks=("paper",),
+                                       attack_names="isa_anchor,behavioural-composed"),
     # greedy identity over keys: SmolLM2's `exact` output (h = 128) in float32 on llama.cpp, 20 keys x 4 prompts
     "smollm2-exact-keys": Settings(model="smollm2", dtype="float32", prompts=4, humaneval=(), attacks=(),
                                    fidelity=tuple(f"exact@{k}:f32" for k in range(1, 21))),
