@@ -70,9 +70,10 @@ def attack_once(src: Path, server: Path, key: Path, names: str, device: str, bat
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     report = json.loads((report_dir / "attack_report.json").read_text())
+    vocab_keys = ("vocab_recovery", "vocab_recovery_sampled", "vocab_recovery_from_mapped_embedding")
     attacks = {r["attack"]: {"seconds": round(r["seconds"], 2), "ttrsr": r["ttrsr"], "piirsr": r["piirsr"],
-                             "vocab_recovery": r["metrics"].get("vocab_recovery",
-                                                                r["metrics"].get("vocab_recovery_sampled")),
+                             "vocab_recovery": next((r["metrics"][k] for k in vocab_keys if k in r["metrics"]), None),
+                             "tokens_scored": r["metrics"].get("tokens_scored"),
                              "error": r["metrics"].get("error"), "ran_on": r["budget"].get("device")}
                for r in report["results"]}
     return {"command": " ".join(cmd[2:]), "device": device, "batch": batch, "wall_seconds": round(wall, 2),
