@@ -336,10 +336,12 @@ def _humaneval_rows(entries: dict) -> dict[str, dict]:
 def report(store: ResultStore) -> str:
     entries = store.entries()
     model = store.load()["settings"]["model"]
+    settings = store.load()["settings"]
     # decode speeds are stored, not reported: plaintext and obfuscated run minutes apart, not side by side
-    out = ["| model | preset | type | top-1 | KL (nats) | same greedy reply | divergences: plaintext margin / obfuscated "
-           "margin | file MB, plaintext / obfuscated |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = []
+    if settings.get("fidelity"):
+        out += ["| model | preset | type | top-1 | KL (nats) | same greedy reply | divergences: plaintext margin / "
+                "obfuscated margin | file MB, plaintext / obfuscated |", "|---|---|---|---|---|---|---|---|"]
     for k, e in entries.items():
         if not k.startswith("fidelity/"):
             continue
@@ -348,11 +350,10 @@ def report(store: ResultStore) -> str:
         out.append(f"| {model} | {e['preset']} | {e['type']} | {e['top1']:.4f} | {e['kl']:.2e} | "
                    f"{e['same_greedy_replies']}/{len(e['prompts'])} | {divs} | "
                    f"{e['plain_bytes'] / 1e6:.0f} / {e['obfuscated_bytes'] / 1e6:.0f} |")
-    settings = store.load()["settings"]
     he = _humaneval_rows(entries)
     if settings.get("humaneval"):  # the tables a config's settings ask for, present even while empty
         plain = next((rows for spec, rows in he.items() if spec.startswith(PLAINTEXT + ":")), {})
-        out += ["", "| model | HumanEval | problems | passed | pass@1 | plaintext on the same problems | "
+        out += [""] * bool(out) + ["| model | HumanEval | problems | passed | pass@1 | plaintext on the same problems | "
                     "same completion as plaintext |", "|---|---|---|---|---|---|---|"]
         for spec, rows in he.items():
             n, passed = len(rows), sum(bool(r["passed"]) for r in rows.values())
@@ -362,7 +363,7 @@ def report(store: ResultStore) -> str:
             out.append(f"| {model} | {spec} | {n} | {passed} | {passed / n:.2f} | {pp}/{len(common)} | {same}/{len(common)} |")
     attacks = [e for k, e in entries.items() if k.startswith("attacks/")]
     if settings.get("attacks"):
-        out += ["", "| model | preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |",
+        out += [""] * bool(out) + ["| model | preset | attack | TTRSR | PIIRSR | vocabulary recovery | seconds |",
                 "|---|---|---|---|---|---|---|"]
         for e in attacks:
             preset = e["preset"]

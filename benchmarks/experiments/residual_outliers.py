@@ -109,6 +109,7 @@ def report(store: ResultStore) -> str:
 
 SUMMARY = ("residual-stream energy per dimension on the plaintext models, and what outlier_dims keeps out of the "
            "key's mixing (a diagnostic for bfloat16 loss)")
-CONFIGS = {"bundled": Settings(), "small": Settings(models=("smollm2", "qwen-coder"))}
+CONFIGS = {"bundled": Settings(), "small": Settings(models=("smollm2", "qwen-coder")),
+           "qwen-coder-1.5b": Settings(models=("qwen-coder-1.5b",))}
 DOCS = ("docs/accuracy.md",)
 NOTES = "loads each plaintext model in bfloat16, one at a time (the 1.5B model: about 4 GB)"
