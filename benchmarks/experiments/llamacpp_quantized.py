@@ -234,9 +234,7 @@ def run_fidelity(s: Settings, store: ResultStore, models: Models) -> None:
 
 
 def target_params(preset: str) -> dict:
-    import aloepri
-
-    return aloepri.resolve_params(preset.partition("@")[0]).to_dict()
+    return preset_params(preset.partition("@")[0]).to_dict()
 
 
 class LlamaCppRunner:

@@ -289,3 +289,26 @@ def test_scale_trend_fit_and_points():
     no_humaneval = {k: v for k, v in entries.items() if not k.startswith("humaneval/")}
     assert "humaneval_plain" not in scale_trend.point(no_humaneval, "noisy", "q8_0", "vma")
     assert scale_trend.point({k: v for k, v in entries.items() if k != "attacks/noisy"}, "noisy", "q8_0", "vma") is None
+
+
+def test_llamacpp_quantized_preset_specs_with_overrides():
+    """``PRESET+FIELD=NUMBER`` names a point of a noise sweep; every config's presets parse, and a bad one is
+    one UsageError."""
+    import aloepri
+
+    from benchmarks.experiments.llamacpp_quantized import CONFIGS, _split, preset_params, target_params
+    from benchmarks.lib import UsageError
+
+    p = preset_params("noisy+alpha_e=0.5+alpha_h=0.1")
+    assert (p.alpha_e, p.alpha_h, p.outlier_dims) == (0.5, 0.1, aloepri.resolve_params("noisy").outlier_dims)
+    assert target_params("paper@7") == aloepri.resolve_params("paper").to_dict()
+    for s in CONFIGS.values():
+        for spec in (*s.fidelity, *s.humaneval):
+            preset = _split(spec)[0]
+            if preset != "plaintext":
+                target_params(preset)
+        for preset in s.attacks:
+            target_params(preset)
+    for bad in ("noisy+alpha_e", "noisy+alpha_e=x"):
+        with pytest.raises(UsageError):
+            preset_params(bad)
