@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..lib import ResultStore, UsageError
 from ..lib.models import model_path
+from ..lib.presets import preset_params
 
 PLAINTEXT = "plaintext"
 
@@ -59,23 +60,6 @@ def _split(spec: str) -> tuple[str, str]:
     if not sep:
         raise UsageError(f"{spec!r}: expected PRESET:TYPE")
     return preset, qtype
-
-
-def preset_params(name: str):
-    """``PRESET`` or ``PRESET+FIELD=NUMBER+...`` as ObfuscationParams."""
-    import aloepri
-
-    preset, *overrides = name.split("+")
-    values = {}
-    for item in overrides:
-        field, sep, value = item.partition("=")
-        try:
-            values[field] = float(value) if sep else None
-        except ValueError:
-            values[field] = None
-        if values[field] is None:
-            raise UsageError(f"{name!r}: expected PRESET+FIELD=NUMBER, got {item!r}")
-    return aloepri.resolve_params(preset, **values)
 
 
 class Models:

@@ -296,12 +296,14 @@ def test_llamacpp_quantized_preset_specs_with_overrides():
     one UsageError."""
     import aloepri
 
-    from benchmarks.experiments.llamacpp_quantized import CONFIGS, _split, preset_params, target_params
+    from benchmarks.experiments.llamacpp_quantized import CONFIGS, _split, target_params
+    from benchmarks.lib.presets import preset_params
     from benchmarks.lib import UsageError
 
     p = preset_params("noisy+alpha_e=0.5+alpha_h=0.1")
     assert (p.alpha_e, p.alpha_h, p.outlier_dims) == (0.5, 0.1, aloepri.resolve_params("noisy").outlier_dims)
     assert target_params("paper@7") == aloepri.resolve_params("paper").to_dict()
+    assert preset_params("default+outlier_dims=8").outlier_dims == 8
     for s in CONFIGS.values():
         for spec in (*s.fidelity, *s.humaneval):
             preset = _split(spec)[0]
