@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..lib import ResultStore, UsageError
 from ..lib.models import model_path
-from ..lib.presets import preset_params
+from ..lib.variants import preset_params
 
 PLAINTEXT = "plaintext"
 
@@ -286,8 +286,9 @@ def run_attacks(s: Settings, store: ResultStore, models: Models) -> None:
         # an entry "attacks/PRESET" (one process for every name) from earlier runs still counts
         done = {name for k, e in entries.items() if k.startswith("attacks/") and e["preset"] == preset
                 for name in e["attacks"]}
-        for name in [n for n in s.attack_names.split(",") if n and n not in done]:
-            t = models.target(preset)
+        todo = [n for n in s.attack_names.split(",") if n and n not in done]
+        t = models.target(preset) if todo else None
+        for name in todo:
             with tempfile.TemporaryDirectory(prefix="aloepri-quantized-attack-") as work:
                 row = attack_once(models.src, t.model_dir, t.key_path, name, "cpu", "default", "ci", 10,
                                   s.threads, Path(work))
@@ -317,8 +318,8 @@ def _humaneval_rows(entries: dict) -> dict[str, dict]:
 
 def report(store: ResultStore) -> str:
     entries = store.entries()
-    model = store.load()["settings"]["model"]
     settings = store.load()["settings"]
+    model = settings["model"]
     # decode speeds are stored, not reported: plaintext and obfuscated run minutes apart, not side by side
     out = []
     if settings.get("fidelity"):
@@ -364,13 +365,13 @@ CONFIGS = {
     # (HumanEval without `default`, whose fidelity row shows it lossless)
     "qwen-coder": Settings(model="qwen-coder", humaneval=("plaintext:q8_0", "noisy:q8_0", "paper:q8_0")),
     "smollm2": Settings(model="smollm2", humaneval=("plaintext:q8_0", "noisy:q8_0", "paper:q8_0")),
-    # the strongest attacks of the smaller models on the 1.5B model's `paper` checkpoint (the one VMA reads least
-    # of); the checkpoint is the `qwen-coder-1.5b` config's (same seed, same cached target)
     # a noise sweep at 1.5B between `noisy` (alpha 0.1/0.05, VMA 100%) and `paper` (1.0/0.2 with expansion): the
     # paper's alpha without the expansion, and half of it, served at q8_0; VMA on the same checkpoints
     "qwen-coder-1.5b-alpha": Settings(fidelity=("noisy+alpha_e=0.5+alpha_h=0.1:q8_0", "noisy+alpha_e=1.0+alpha_h=0.2:q8_0"),
                                       humaneval=(), attacks=("noisy+alpha_e=0.5+alpha_h=0.1",
                                                              "noisy+alpha_e=1.0+alpha_h=0.2")),
+    # the strongest attacks of the smaller models on the 1.5B model's `paper` checkpoint (the one VMA reads least
+    # of); the checkpoint is the `qwen-coder-1.5b` config's (same seed, same cached target)
     "qwen-coder-1.5b-strong": Settings(fidelity=(), humaneval=(), attacks=("paper",),
                                        attack_names="isa_anchor,behavioural-composed"),
     # greedy identity over keys: SmolLM2's `exact` output (h = 128) in float32 on llama.cpp, 20 keys x 4 prompts

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..lib import ResultStore
 from ..lib.models import model_path
-from ..lib.presets import preset_params
+from ..lib.variants import preset_params
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,5 @@
-"""Presets as experiments name them (``PRESET+FIELD=NUMBER``: a preset with parameters overridden, a point of a
-sweep) and as results record them (how parameters stored with an old result differ from today's preset)."""
+"""Presets as results record them: how parameters stored with an old result differ from today's preset."""
 from __future__ import annotations
-
-
-def preset_params(name: str):
-    """``PRESET`` or ``PRESET+FIELD=NUMBER+...`` as ObfuscationParams (integers stay integers)."""
-    import aloepri
-
-    from .store import UsageError
-
-    preset, *overrides = name.split("+")
-    values: dict = {}
-    for item in overrides:
-        field, sep, text = item.partition("=")
-        try:
-            values[field] = int(text) if text.lstrip("-").isdigit() else float(text)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise UsageError(f"{name!r}: expected PRESET+FIELD=NUMBER, got {item!r}")
-    return aloepri.resolve_params(preset, **values)
 
 
 def params_drift(preset: str | None, recorded: dict | None, **overrides) -> str:

@@ -297,7 +297,7 @@ def test_llamacpp_quantized_preset_specs_with_overrides():
     import aloepri
 
     from benchmarks.experiments.llamacpp_quantized import CONFIGS, _split, target_params
-    from benchmarks.lib.presets import preset_params
+    from benchmarks.lib.variants import preset_params
     from benchmarks.lib import UsageError
 
     p = preset_params("noisy+alpha_e=0.5+alpha_h=0.1")
