@@ -383,5 +383,5 @@ CONFIGS = {
                       attacks=(), n_ctx=1024),
 }
 DEFAULT_CONFIG = "qwen-coder-1.5b"
-DOCS = ("docs/serving-gguf.md", "docs/accuracy.md")
+DOCS = ("docs/serving-gguf.md", "docs/accuracy.md", "docs/security.md")
 NOTES = "needs llama-cpp-python; the 1.5B config obfuscates three presets (about 10 min each) and runs for hours"
