@@ -7,6 +7,7 @@ key. The slow test runs the `ci` budget on SmolLM2-135M (`exact`).
 """
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -116,7 +117,21 @@ def test_composition_vma_pairs_then_ridge(targets):
     res, out = run_behavioural(target, _data(96), CI, 0, template=TEMPLATE, extra_pairs=vma_pairs,
                                extra_source="vma")
     assert res.budget["anchors"]["extra_pairs"] > 0 and "vma pairs" in res.uses
-    assert np.mean(ridge_refine(target, out) == truth) >= 0.9
+    every = ridge_refine(target, out)
+    assert np.mean(every == truth) >= 0.9
+    # re-ranking only some ids gives them the guesses of the full re-ranking and leaves the others as they were
+    # (a third of the confident ids made unsure and wrong, so that there is something to re-rank)
+    confident, mapping = out.confident.copy(), out.mapping.copy()
+    confident[np.flatnonzero(confident)[::3]] = False
+    unsure = np.flatnonzero(~confident)
+    mapping[unsure] = mapping[np.roll(unsure, 1)]
+    weaker = dataclasses.replace(out, confident=confident, mapping=mapping)
+    full, some = ridge_refine(target, weaker), unsure[::2]
+    assert len(some) >= 10 and not np.array_equal(full[unsure], weaker.mapping[unsure])
+    part = ridge_refine(target, weaker, query_ids=some)
+    assert np.array_equal(part[some], full[some])
+    rest = np.setdiff1d(np.arange(len(part)), some)
+    assert np.array_equal(part[rest], weaker.mapping[rest])
 
 
 @pytest.mark.slow

@@ -42,15 +42,22 @@ class AttackTarget:
     """An obfuscated deployment under attack: public plaintext model, server artifact, and the key (scoring only).
 
     ``device`` ('cpu', 'cuda', 'cuda:1', ...; checked here, once): where both models are loaded and the attacks
-    that support it compute (``register(..., on_device=True)``); the others run on a CPU copy (``on("cpu")``)."""
+    that support it compute (``register(..., on_device=True)``); the others run on a CPU copy (``on("cpu")``).
+
+    The obfuscated model computes in ``dtype``; a checkpoint stored in a narrower float (bfloat16, what
+    ``aloepri obfuscate`` writes from a quantized source) keeps its weights as stored unless ``hold_stored`` is
+    False (``runtime.precision``: the same logits, half the memory of a float32 copy; each weight is converted
+    when its layer runs)."""
 
     def __init__(self, plain_src: str | Path, obfuscated_dir: str | Path, key: KeyFile | str | Path | None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+                 hold_stored: bool = True):
         self.plain_src = Path(plain_src)
         self.obfuscated_dir = Path(obfuscated_dir)
         self.key = key if (key is None or isinstance(key, KeyFile)) else load_key(key)
         self.dtype = dtype
         self.device = resolve_device(device)
+        self.hold_stored = hold_stored
         self._elsewhere: dict[str, AttackTarget] = {}
 
     def on(self, device: str | torch.device) -> "AttackTarget":
@@ -60,7 +67,8 @@ class AttackTarget:
         if dev == self.device:
             return self
         if str(dev) not in self._elsewhere:
-            self._elsewhere[str(dev)] = AttackTarget(self.plain_src, self.obfuscated_dir, self.key, self.dtype, dev)
+            self._elsewhere[str(dev)] = AttackTarget(self.plain_src, self.obfuscated_dir, self.key, self.dtype, dev,
+                                                     self.hold_stored)
         return self._elsewhere[str(dev)]
 
     @cached_property
@@ -73,7 +81,8 @@ class AttackTarget:
     def obf_model(self):
         from ..runtime.inference import load_obfuscated_model
 
-        return load_obfuscated_model(self.obfuscated_dir, dtype=self.dtype, device=self.device)
+        return load_obfuscated_model(self.obfuscated_dir, dtype=self.dtype, device=self.device,
+                                     hold_stored=self.hold_stored)
 
     @cached_property
     def tokenizer(self):
@@ -125,6 +134,28 @@ class AttackResult:
         return asdict(self)
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak-RSS count afresh (Linux: /proc/self/clear_refs; elsewhere nothing), so that the
+    peak read after an attack is that attack's, the models it holds included."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_gib() -> float | None:
+    """This process's peak RSS since the last ``reset_peak_rss`` (None where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 2**20, 2)
+    except OSError:
+        pass
+    return None
+
+
 AttackFn = Callable[[AttackTarget, PrivateData, Budget, int], AttackResult]
 REGISTRY: dict[str, AttackFn] = {}
 
@@ -137,10 +168,12 @@ def register(name: str, on_device: bool = False) -> Callable[[AttackFn], AttackF
     def deco(fn: AttackFn) -> AttackFn:
         def timed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
             t0 = time.perf_counter()
+            reset_peak_rss()
             torch.set_num_threads(max(1, budget.threads))
             where = target if on_device else target.on("cpu")
             res = fn(where, data, budget, seed)
             res.budget.setdefault("device", str(where.device))
+            res.budget["peak_rss_gib"] = peak_rss_gib()
             res.seconds = time.perf_counter() - t0
             return res
 

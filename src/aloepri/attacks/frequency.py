@@ -113,29 +113,50 @@ def _unit(a: np.ndarray) -> np.ndarray:
     return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
 
 
+class RowIndex:
+    """Candidate rows of several paired spaces, unit-normalised and side by side once, for ``nearest_rows``
+    queries in chunks: the candidates are copied once and a query only one chunk at a time (at a 150k vocabulary
+    and width 1536 the whole normalised query set alone is gigabytes)."""
+
+    def __init__(self, candidates: Sequence[np.ndarray]):
+        # spaces whose candidate rows are identical (a tied plaintext head) are fused: sum of cosines = one product
+        self.groups: list[list[int]] = []  # indices of the spaces in each group; the group's rows are its first's
+        for j, ca in enumerate(candidates):
+            for g in self.groups:
+                gc = candidates[g[0]]
+                if gc.shape == ca.shape and (gc is ca or np.array_equal(gc, ca)):
+                    g.append(j)
+                    break
+            else:
+                self.groups.append([j])
+        widths = [candidates[g[0]].shape[1] for g in self.groups]
+        c = np.empty((candidates[0].shape[0], sum(widths)), dtype=np.float32)
+        at = 0
+        for g, w in zip(self.groups, widths):
+            c[:, at:at + w] = _unit(candidates[g[0]])
+            at += w
+        self.c = torch.from_numpy(c)
+
+    def query(self, queries: Sequence[np.ndarray], top: int = 2, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+        """For each query row, the candidate rows with the largest summed cosine similarity over the spaces
+        (``queries[j]`` is compared with ``candidates[j]``). Returns (top indices (n, top), their scores)."""
+        n = len(queries[0])
+        idx_out = np.empty((n, top), dtype=np.int64)
+        val_out = np.empty((n, top), dtype=np.float32)
+        for s in range(0, n, chunk):
+            q = np.concatenate([sum(_unit(queries[j][s:s + chunk]) for j in g) for g in self.groups], axis=1)
+            sim = torch.from_numpy(q) @ self.c.T
+            v, i = torch.topk(sim, top, dim=1)
+            idx_out[s:s + chunk] = i.numpy()
+            val_out[s:s + chunk] = v.numpy()
+        return idx_out, val_out
+
+
 def nearest_rows(queries: Sequence[np.ndarray], candidates: Sequence[np.ndarray], chunk: int = 1024,
                  top: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """For each query row, the candidate rows with the largest summed cosine similarity over the paired spaces
     (``queries[j]`` is compared with ``candidates[j]``). Returns (top indices (n, top), their scores)."""
-    # spaces whose candidate rows are identical (a tied plaintext head) are fused: sum of cosines = one product
-    groups: list[tuple[np.ndarray, np.ndarray]] = []
-    for qa, ca in zip(queries, candidates):
-        for g, (gq, gc) in enumerate(groups):
-            if gc.shape == ca.shape and (gc is ca or np.array_equal(gc, ca)):
-                groups[g] = (gq + _unit(qa), gc)
-                break
-        else:
-            groups.append((_unit(qa), ca))
-    q = np.concatenate([gq for gq, _ in groups], axis=1)
-    c = torch.from_numpy(np.concatenate([_unit(gc) for _, gc in groups], axis=1))
-    idx_out = np.empty((len(q), top), dtype=np.int64)
-    val_out = np.empty((len(q), top), dtype=np.float32)
-    for s in range(0, len(q), chunk):
-        sim = torch.from_numpy(q[s:s + chunk]) @ c.T
-        v, i = torch.topk(sim, top, dim=1)
-        idx_out[s:s + chunk] = i.numpy()
-        val_out[s:s + chunk] = v.numpy()
-    return idx_out, val_out
+    return RowIndex(candidates).query(queries, top, chunk)
 
 
 @dataclass
@@ -213,11 +234,15 @@ def ridge_map(spaces: RowSpaces, obf_ids: np.ndarray, plain_ids: np.ndarray, lam
     Returns (top-2 plaintext candidates per query, their summed-cosine scores)."""
     v = spaces.obf[0].shape[0]
     q = np.arange(v) if query_obf_ids is None else np.asarray(query_obf_ids)
-    preds = []
-    for sp_obf, sp_pl in zip(spaces.obf, spaces.plain):
-        w = fit_ridge(sp_obf[obf_ids], sp_pl[plain_ids], lam_rel).astype(np.float32)
-        preds.append(sp_obf[q] @ w)
-    return nearest_rows(preds, spaces.plain, top=2)
+    maps = [fit_ridge(sp_obf[obf_ids], sp_pl[plain_ids], lam_rel).astype(np.float32)
+            for sp_obf, sp_pl in zip(spaces.obf, spaces.plain)]
+    index = RowIndex(spaces.plain)
+    idx, val = np.empty((len(q), 2), dtype=np.int64), np.empty((len(q), 2), dtype=np.float32)
+    step = 16 * 1024  # predictions a block of queries at a time (a multiple of the query chunk)
+    for s in range(0, len(q), step):
+        preds = [sp_obf[q[s:s + step]] @ w for sp_obf, w in zip(spaces.obf, maps)]
+        idx[s:s + step], val[s:s + step] = index.query(preds, top=2)
+    return idx, val
 
 
 def mapping_from_matches(v: int, query_obf_ids: np.ndarray, best_plain: np.ndarray) -> np.ndarray:

@@ -104,28 +104,40 @@ def _gguf_tensor_roles(ck) -> list[tuple[str, int | None, str]]:
     return roles
 
 
-def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None):
+def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None,
+                          hold_stored: bool = False):
     """The server's artifact as a stock transformers model, on ``device`` (default cpu).
 
     Stored in another dtype (a bfloat16 checkpoint computed in float32), it is converted shard by shard into an
     uninitialised model: transformers' loading holds the converted model and every mapped shard at once (10.6 GB
     for a 1.5B model's 6.8 GB). A checkpoint whose tensors transformers renames on loading (fused MoE experts)
-    is left to transformers."""
+    is left to transformers.
+
+    ``hold_stored``: a checkpoint stored in a narrower float (bfloat16, float16) keeps its linear and embedding
+    weights as stored and computes in ``dtype`` (``precision.compute_in``): the same numbers at the stored size."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from .precision import NARROW_FLOATS, compute_in
 
     config = AutoConfig.from_pretrained(str(model_dir))
     stored = str(getattr(config, "dtype", None) or "").replace("torch.", "")
-    if stored in ("", str(dtype).replace("torch.", "")) or getattr(config, "quantization_config", None):
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    stored_dtype = getattr(torch, stored, None) if stored else None
+    quantized = getattr(config, "quantization_config", None) is not None
+    hold = hold_stored and not quantized and stored_dtype in NARROW_FLOATS and stored_dtype != dtype
+    load_as = stored_dtype if hold else dtype
+    if stored in ("", str(load_as).replace("torch.", "")) or quantized:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=load_as)
     else:
         try:
-            model = _uninitialised_model_filled(config, dtype, lambda wanted: _safetensors_tensors(model_dir),
+            model = _uninitialised_model_filled(config, load_as, lambda wanted: _safetensors_tensors(model_dir),
                                                 model_dir)
         except TensorMismatchError:
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=load_as)
         else:
             if (Path(model_dir) / "generation_config.json").is_file():
                 model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
+    if hold:
+        compute_in(model, dtype)
     return model.to(resolve_device(device)).eval()
 
 
