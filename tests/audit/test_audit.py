@@ -161,6 +161,42 @@ def test_a_stopped_audit_leaves_an_honest_partial_report(lossless, tmp_path, mon
     assert "partial" in (tmp_path / "r" / "report.html").read_text()
 
 
+def test_an_attack_that_cannot_change_the_verdict_is_not_run(lossless, tmp_path, monkeypatch):
+    """Once an observer reads 100%, the attacks that count only against it are not run (listed with the reason);
+    an id-stream attack still runs while the log reader's own figure is below 100%. --all-attacks runs them."""
+    src, work = lossless
+    calls = []
+
+    def fixed(name, ttrsr):
+        def attack(target, data, budget, seed=0):
+            calls.append(name)
+            return AttackResult(name, ttrsr, None, {"tokens_scored": 10}, uses="nothing")
+        return attack
+
+    for name, ttrsr in (("fake-full", 1.0), ("fake-provider", 0.5), ("fake-log", 0.3), ("fake-log-full", 1.0),
+                        ("fake-log-after", 0.2)):
+        monkeypatch.setitem(REGISTRY, name, fixed(name, ttrsr))
+    plan = (PlannedAttack("fake-full", PROVIDER, ("ci",)), PlannedAttack("fake-provider", PROVIDER, ("ci",)),
+            PlannedAttack("fake-log", ID_STREAM, ("ci",)), PlannedAttack("fake-log-full", ID_STREAM, ("ci",)),
+            PlannedAttack("fake-log-after", ID_STREAM, ("ci",)))
+    rep = run_audit(src, work / "server", work / "client.key", "ci", tmp_path / "r", prompts=2, progress=False,
+                    plan=plan)
+    assert calls == ["fake-full", "fake-log", "fake-log-full"]
+    by = {a["name"]: a for a in rep.attacks}
+    for skipped in ("fake-provider", "fake-log-after"):
+        assert by[skipped]["status"] == "skipped" and by[skipped]["why"] == "decided"
+        assert "100%" in by[skipped]["reason"] and "--all-attacks" in by[skipped]["reason"]
+    p, s = rep.verdict[PROVIDER], rep.verdict[ID_STREAM]
+    assert (p["recovery"], s["recovery"]) == (1.0, 1.0)
+    assert "could not raise this figure" in p["text"] and "lower bound" not in p["text"]
+    assert "lower bound" not in rep.verdict["headline"]
+
+    calls.clear()
+    run_audit(src, work / "server", work / "client.key", "ci", tmp_path / "all", prompts=2, progress=False,
+              plan=plan, all_attacks=True)
+    assert calls == [a.name for a in plan]
+
+
 def test_no_provider_attack_ran_means_unknown(lossless, tmp_path, monkeypatch):
     src, work = lossless
     monkeypatch.setitem(REGISTRY, "fake-broken", _Fake.broken)

@@ -12,9 +12,10 @@ def cmd_audit(a: argparse.Namespace) -> int:
 
     command = shlex.join(["aloepri", "audit", str(a.plain), "--obfuscated", str(a.obfuscated), "--key", str(a.key),
                           "--budget", a.budget, "--out", str(a.out), "--seed", str(a.seed), "--threads", str(a.threads)]
-                         + (["--prompts", str(a.prompts)] if a.prompts is not None else []))
+                         + (["--prompts", str(a.prompts)] if a.prompts is not None else [])
+                         + (["--all-attacks"] if a.all_attacks else []))
     rep = run_audit(a.plain, a.obfuscated, a.key, a.budget, a.out, a.prompts, a.seed, a.threads,
-                    progress=not a.quiet, command=command,
+                    progress=not a.quiet, command=command, all_attacks=a.all_attacks,
                     log=None if a.quiet else (lambda m: print(m, file=sys.stderr)))
     print(rep.verdict["headline"])
     for key in ("provider", "id_stream"):
@@ -39,5 +40,8 @@ def add_audit_commands(sub: Any) -> None:
                    help="number of private PII prompts the attacks try to recover (default 20 at ci, 50 otherwise)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the attacks (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--all-attacks", action="store_true",
+                   help="run every planned attack, also those that cannot change the verdict (an observer already "
+                        "at 100%%)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_audit)

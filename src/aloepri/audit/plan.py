@@ -37,15 +37,17 @@ class PlannedAttack:
     moe_only: bool = False
 
 
-# Strongest first (measured highest recovery), the cheap frequency attacks before the slower state inversions, so
-# a partial report (an audit stopped midway) already holds the figures that matter most.
+# The two weight attacks first: Gate-IA takes seconds and VMA minutes, and where they read every prompt token the
+# provider's figure is final (run_audit does not run what cannot change it). Then the strongest (measured highest
+# recovery), the cheap frequency attacks before the slower state inversions, so that a partial report (an audit
+# stopped midway) already holds the figures that matter most.
 PLAN: tuple[PlannedAttack, ...] = (
+    PlannedAttack("gate-ia", PROVIDER, BUDGETS),
+    PlannedAttack("vma", PROVIDER, BUDGETS),
     PlannedAttack("behavioural-composed", PROVIDER, BUDGETS),
     PlannedAttack("behavioural", PROVIDER, ("small", "full")),
-    PlannedAttack("vma", PROVIDER, BUDGETS),
     PlannedAttack("stream-decipher", ID_STREAM, BUDGETS, needs_tokenizer=True),
     PlannedAttack("stream-decipher-lm", ID_STREAM, BUDGETS, needs_tokenizer=True),
-    PlannedAttack("gate-ia", PROVIDER, BUDGETS),
     PlannedAttack("tfma", ID_STREAM, BUDGETS, needs_tokenizer=True),
     PlannedAttack("tfma-domain-aware", ID_STREAM, BUDGETS, needs_tokenizer=True),
     PlannedAttack("tfma-zero-knowledge", ID_STREAM, BUDGETS, needs_tokenizer=True),

@@ -253,6 +253,22 @@ def run_planned(planned: plan_mod.PlannedAttack, target, data, budget, seed: int
             "seconds": round(res.seconds, 1), "uses": res.uses, "attack_budget": res.budget}
 
 
+def decided_by(planned: plan_mod.PlannedAttack, ran: list[dict[str, Any]]) -> str | None:
+    """Why ``planned`` cannot change the verdict (in words), or None when it can: every observer it counts
+    against (the provider sees the id stream too) already has an attack at 100% as printed."""
+    from .verdict import below_maximum
+
+    against = [plan_mod.PROVIDER] + ([plan_mod.ID_STREAM] if planned.observer == plan_mod.ID_STREAM else [])
+    reasons = []
+    for observer in against:
+        full = [a for a in ran if a["status"] == RAN and a.get("ttrsr") is not None and not below_maximum(a["ttrsr"])
+                and (observer == plan_mod.PROVIDER or a["observer"] == observer)]
+        if not full:
+            return None
+        reasons.append(f"{plan_mod.OBSERVERS[observer]} already reads 100% ({full[0]['name']})")
+    return "; ".join(reasons) + ", which no attack can raise"
+
+
 def _is_moe(obfuscated: Path) -> bool:
     from ..obfuscation.archs import spec_for_hf
 
@@ -263,9 +279,14 @@ def _is_moe(obfuscated: Path) -> bool:
 def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget: str = "ci",
               out: str | Path = "audit-report", prompts: int | None = None, seed: int = 0, threads: int = 1,
               progress: bool = True, plan: tuple[plan_mod.PlannedAttack, ...] | None = None,
-              command: str | None = None, log: Callable[[str], None] | None = None) -> "AuditReport":
+              command: str | None = None, log: Callable[[str], None] | None = None,
+              all_attacks: bool = False) -> "AuditReport":
     """Audit one obfuscated deployment: fidelity and the planned attacks within ``budget``, then report.json and
-    report.html in ``out`` (each written atomically). ``plan`` replaces the attack plan (tests)."""
+    report.html in ``out`` (each written atomically). ``plan`` replaces the attack plan (tests).
+
+    An attack is not run when every observer it counts against already has a figure of 100% (``decided_by``):
+    no attack can raise it, so the verdict is the one running it would give; the report lists it as not run,
+    with the reason. ``all_attacks`` runs it anyway (the full table)."""
     inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads)  # before any model loads
 
     import torch
@@ -343,7 +364,12 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
         bar.advance()
         for p in to_run:
             bar.start(p.name)
-            r = results[p.name] = run_planned(p, target, data, attack_budget, inp.seed)
+            decided = None if all_attacks else decided_by(p, list(results.values()))
+            if decided is not None:
+                r = results[p.name] = {**_attack_entry(p), "status": SKIPPED, "why": "decided", "seconds": 0.0,
+                                       "reason": f"not needed: {decided} (--all-attacks runs it)"}
+            else:
+                r = results[p.name] = run_planned(p, target, data, attack_budget, inp.seed)
             write_report(report(False), inp.out)
             bar.advance()
             if log:
