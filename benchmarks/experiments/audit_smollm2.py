@@ -1,6 +1,8 @@
-"""`aloepri audit` on SmolLM2-135M-Instruct obfuscated with the lossless setting (the exact transforms, h = 0, the
-four massive-activation dimensions kept out of the key's mixing: no noise), recorded as one entry ``report`` (the
-audit's report.json, with local paths reduced to file names).
+"""`aloepri audit` on a real model obfuscated with the lossless setting (the exact transforms, h = 0, the four
+massive-activation dimensions kept out of the key's mixing: no noise; the `default` preset), recorded as one entry
+``report`` (the audit's report.json, with local paths reduced to file names): SmolLM2-135M-Instruct at `ci`
+(config ``ci``) and Qwen2.5-Coder-1.5B-Instruct at `small`, the audit's default budget for a user (config
+``qwen-coder-1.5b-small``). The report holds each step's peak RSS.
 
 The done-criterion of the audit: on this setting it must report >= 90% of prompt tokens recovered (the behavioural
 attack and weight matching read the prompts there), and < 90% only where its attacks truly fail. ``existing``
@@ -21,6 +23,11 @@ class Settings:
     budget: str = "ci"
     threads: int = 1
     existing: str = ""  # a report directory of `aloepri audit` to record instead of running one
+    model: str = "smollm2"
+    # 0: obfuscate afresh with a random seed, as a user would; else the benchmarks' cached checkpoint of this seed
+    # and output dtype (benchmarks.lib.targets: the 1.5B model takes 10 min to obfuscate)
+    seed: int = 0
+    dtype: str = ""
 
 
 def shorten_paths(report: dict) -> dict:
@@ -45,14 +52,22 @@ def run(s: Settings, store: ResultStore) -> None:
 
         from ..lib.models import model_path
 
-        src = model_path("smollm2")
-        with tempfile.TemporaryDirectory(prefix="audit-smollm2-") as work:
+        src = model_path(s.model)
+        params = aloepri.resolve_params("exact", h=0, outlier_dims=4)
+        with tempfile.TemporaryDirectory(prefix="audit-") as work:
             w = Path(work)
-            aloepri.obfuscate(src, w / "server", w / "client.key", aloepri.resolve_params("exact", h=0, outlier_dims=4),
-                              progress=False)
-            report = run_audit(src, w / "server", w / "client.key", s.budget, w / "report", threads=s.threads,
+            if s.seed:
+                from ..lib.targets import obfuscated
+
+                t = obfuscated(src, params, s.seed, **({"dtype": s.dtype} if s.dtype else {}))
+                server, key = t.model_dir, t.key_path
+            else:
+                server, key = w / "server", w / "client.key"
+                aloepri.obfuscate(src, server, key, params, progress=False, **({"dtype": s.dtype} if s.dtype else {}))
+            report = run_audit(src, server, key, s.budget, w / "report", threads=s.threads, progress=False,
+                               log=print,
                                command=f"aloepri audit {src.name} --obfuscated server --key client.key "
-                                       f"--budget {s.budget} --out report").data
+                                       f"--budget {s.budget} --out report --threads {s.threads}").data
     params = report["parameters"]["params"]
     if not (params["h"] == 0 and params["alpha_e"] == 0 and params["alpha_h"] == 0 and params["outlier_dims"] == 4):
         raise ValueError(f"not the lossless setting: {params}")
@@ -66,14 +81,26 @@ def report(store: ResultStore) -> str:
         return "(no audit stored)"
     lines = [r["verdict"]["headline"], "",
              f"budget {r['budget']}, complete {r['complete']}, {r['time']['seconds']:.0f} s; command: `{r['command']}`",
-             "", "| attack | observer | status | TTRSR (%) | PIIRSR (%) | seconds |", "|---|---|---|---|---|---|"]
+             "", "| attack | observer | status | TTRSR (%) | PIIRSR (%) | seconds | peak RSS (GiB) |",
+             "|---|---|---|---|---|---|---|"]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    fid = r.get("fidelity", {})
+    if fid.get("status") == "ran":
+        lines.append(f"| (fidelity: top-1 {fid['top1_agreement']:.4f}) | - | ran | - | - | {fid.get('seconds', '-')} | "
+                     f"{fid.get('peak_rss_gib') or '-'} |")
     for a in r["attacks"]:
-        lines.append(f"| {a['name']} | {a['observer']} | {a['status']} | {pct(a.get('ttrsr'))} | "
-                     f"{pct(a.get('piirsr'))} | {a.get('seconds') or '-'} |")
+        why = f" ({a['why']})" if a["status"] == "skipped" and a.get("why") else ""
+        lines.append(f"| {a['name']} | {a['observer']} | {a['status']}{why} | {pct(a.get('ttrsr'))} | "
+                     f"{pct(a.get('piirsr'))} | {a.get('seconds') or '-'} | "
+                     f"{(a.get('attack_budget') or {}).get('peak_rss_gib') or '-'} |")
     return "\n".join(lines)
 
 
-SUMMARY = "`aloepri audit` on SmolLM2 obfuscated losslessly: it must report the prompts as read (~20 min at ci)"
-CONFIGS = {"ci": Settings()}
+SUMMARY = ("`aloepri audit` on a real model obfuscated losslessly (SmolLM2 at ci, ~20 min; the 1.5B model at small): "
+           "it must report the prompts as read")
+CONFIGS = {"ci": Settings(),
+           # the 1.5B model (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M) at the default budget, on the bfloat16 output
+           # `aloepri obfuscate` writes from it (the cached `default` checkpoint of llamacpp_quantized)
+           "qwen-coder-1.5b-small": Settings(budget="small", threads=2, model="qwen-coder-1.5b", seed=2026,
+                                             dtype="bfloat16")}
 NOTES = "CPU; obfuscates with a fresh random seed each run, as a user would"

@@ -50,3 +50,18 @@ def test_a_float32_checkpoint_or_a_matching_dtype_is_loaded_as_before(obfuscated
     held = load_obfuscated_model(out, hold_stored=True)
     assert not any(isinstance(m, StoredPrecisionLinear) for m in held.modules())
     assert all(p.dtype == torch.float32 for p in held.parameters())
+
+
+def test_an_attack_target_holds_the_checkpoint_as_stored_when_asked_or_when_memory_is_short(bf16_checkpoint,
+                                                                                          tiny_dir):
+    from aloepri.attacks.base import AttackTarget, float32_copy_crowds
+
+    out = bf16_checkpoint("llama")
+    cpu = torch.device("cpu")
+    assert float32_copy_crowds(out, cpu, share=1e-12) and not float32_copy_crowds(out, cpu, share=1e6)
+    held = AttackTarget(tiny_dir("llama"), out, None, hold_stored=True)
+    full = AttackTarget(tiny_dir("llama"), out, None, hold_stored=False)
+    assert held.obfuscated_weights() is None  # not loaded yet
+    _ = held.obf_model, full.obf_model
+    assert held.obfuscated_weights() == "as stored (bfloat16, float32), computed in float32"
+    assert full.obfuscated_weights() == "float32"

@@ -292,7 +292,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
     import torch
 
     from ..attacks import REGISTRY, UNAVAILABLE
-    from ..attacks.base import AttackTarget, Budget, has_tokenizer
+    from ..attacks.base import AttackTarget, Budget, has_tokenizer, peak_rss_gib, reset_peak_rss
 
     started = time.time()
     torch.set_num_threads(inp.threads)
@@ -357,7 +357,9 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
         bar.start("fidelity")
         data, prompt_info = private_prompts(target, inp.prompts, inp.seed, has_tok)
         try:
+            reset_peak_rss()
             fidelity = measure_fidelity(target, inp.key, inp.budget, has_tok)
+            fidelity["peak_rss_gib"] = peak_rss_gib()  # both models loaded: the audit's floor
         except Exception as err:  # noqa: BLE001 - reported; the attacks still run
             fidelity = {"status": FAILED, "error": " ".join(f"{type(err).__name__}: {err}".split())}
         write_report(report(False), inp.out)
