@@ -265,7 +265,8 @@ def decided_by(planned: plan_mod.PlannedAttack, ran: list[dict[str, Any]]) -> st
                 and (observer == plan_mod.PROVIDER or a["observer"] == observer)]
         if not full:
             return None
-        reasons.append(f"{plan_mod.OBSERVERS[observer]} already reads 100% ({full[0]['name']})")
+        who = plan_mod.OBSERVERS[observer]
+        reasons.append(f"{who}{',' if ',' in who else ''} already reads 100% ({full[0]['name']})")
     return "; ".join(reasons) + ", which no attack can raise"
 
 
