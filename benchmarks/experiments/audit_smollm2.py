@@ -103,4 +103,5 @@ CONFIGS = {"ci": Settings(),
            # `aloepri obfuscate` writes from it (the cached `default` checkpoint of llamacpp_quantized)
            "qwen-coder-1.5b-small": Settings(budget="small", threads=2, model="qwen-coder-1.5b", seed=2026,
                                              dtype="bfloat16")}
+DOCS = ("docs/audit.md",)
 NOTES = "CPU; obfuscates with a fresh random seed each run, as a user would"

@@ -370,6 +370,10 @@ CONFIGS = {
     "qwen-coder-1.5b-alpha": Settings(fidelity=("noisy+alpha_e=0.5+alpha_h=0.1:q8_0", "noisy+alpha_e=1.0+alpha_h=0.2:q8_0"),
                                       humaneval=(), attacks=("noisy+alpha_e=0.5+alpha_h=0.1",
                                                              "noisy+alpha_e=1.0+alpha_h=0.2")),
+    # the composed behavioural attack on the same two checkpoints (the same seed, the same cached targets)
+    "qwen-coder-1.5b-alpha-composed": Settings(fidelity=(), humaneval=(), attacks=("noisy+alpha_e=1.0+alpha_h=0.2",
+                                                                                  "noisy+alpha_e=0.5+alpha_h=0.1"),
+                                               attack_names="behavioural-composed"),
     # the strongest attacks of the smaller models on the 1.5B model's `paper` checkpoint (the one VMA reads least
     # of); the checkpoint is the `qwen-coder-1.5b` config's (same seed, same cached target)
     "qwen-coder-1.5b-strong": Settings(fidelity=(), humaneval=(), attacks=("paper",),

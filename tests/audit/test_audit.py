@@ -184,7 +184,7 @@ def test_an_attack_that_cannot_change_the_verdict_is_not_run(lossless, tmp_path,
     assert calls == ["fake-full", "fake-log", "fake-log-full"]
     by = {a["name"]: a for a in rep.attacks}
     for skipped in ("fake-provider", "fake-log-after"):
-        assert by[skipped]["status"] == "skipped" and by[skipped]["why"] == "decided"
+        assert by[skipped]["status"] == "skipped" and by[skipped]["why"] == "not needed"
         assert "100%" in by[skipped]["reason"] and "--all-attacks" in by[skipped]["reason"]
     p, s = rep.verdict[PROVIDER], rep.verdict[ID_STREAM]
     assert (p["recovery"], s["recovery"]) == (1.0, 1.0)

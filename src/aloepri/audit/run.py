@@ -369,7 +369,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
             bar.start(p.name)
             decided = None if all_attacks else decided_by(p, list(results.values()))
             if decided is not None:
-                r = results[p.name] = {**_attack_entry(p), "status": SKIPPED, "why": "decided", "seconds": 0.0,
+                r = results[p.name] = {**_attack_entry(p), "status": SKIPPED, "why": "not needed", "seconds": 0.0,
                                        "reason": f"not needed: {decided} (--all-attacks runs it)"}
             else:
                 r = results[p.name] = run_planned(p, target, data, attack_budget, inp.seed)
