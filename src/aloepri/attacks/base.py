@@ -83,8 +83,9 @@ class AttackTarget:
         from ..runtime.inference import load_obfuscated_model
 
         hold = self.hold_stored
-        if hold is None:
-            hold = float32_copy_crowds(self.obfuscated_dir, self.device)
+        if hold is None:  # a plaintext model already loaded is already out of the available memory
+            hold = float32_copy_crowds(self.obfuscated_dir, self.device, models=1 if "plain_model" in self.__dict__
+                                       else 2)
         return load_obfuscated_model(self.obfuscated_dir, dtype=self.dtype, device=self.device, hold_stored=hold)
 
     def obfuscated_weights(self) -> str | None:
@@ -119,11 +120,12 @@ class AttackTarget:
         return self.key.encode_ids(list(plain_ids))
 
 
-def float32_copy_crowds(obfuscated_dir: str | Path, device: torch.device, share: float = 0.7) -> bool:
-    """Whether float32 copies of both models (each about twice a bfloat16 checkpoint's files) would take more than
-    ``share`` of the memory available now on ``device`` (unknown: True, the bounded choice)."""
+def float32_copy_crowds(obfuscated_dir: str | Path, device: torch.device, share: float = 0.7, models: int = 2
+                        ) -> bool:
+    """Whether ``models`` float32 models of the checkpoint's shapes (each about twice a bfloat16 checkpoint's files)
+    would take more than ``share`` of the memory available now on ``device`` (unknown: True, the bounded choice)."""
     stored = sum(f.stat().st_size for f in Path(obfuscated_dir).glob("*.safetensors"))
-    need = 4 * stored
+    need = 2 * models * stored
     try:
         if device.type == "cuda":
             available = torch.cuda.mem_get_info(device)[0]

@@ -605,6 +605,8 @@ def run_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: 
     """VMA unanimous pairs -> behavioural -> ridge on the behavioural mutual pairs. ``ridge_ids``: 'observed'
     (the ridge re-ranks the unsure ids of the observed traffic: the prompt figures are those of 'all', and the
     vocabulary recovery counts the ridge on those ids only) or 'all' (every unsure id)."""
+    if ridge_ids not in ("observed", "all"):
+        raise ValueError(f"ridge_ids must be 'observed' or 'all', not {ridge_ids!r}")
     t0 = time.perf_counter()
     # VMA's cheapest source set (its 'ci' budget: first and last layer) on a large id sample: the anchors only
     # need to be right, not many (the behavioural stage does the rest)
