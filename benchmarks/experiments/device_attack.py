@@ -75,7 +75,8 @@ def attack_once(src: Path, server: Path, key: Path, names: str, device: str, bat
                              "vocab_recovery": next((r["metrics"][k] for k in vocab_keys if k in r["metrics"]), None),
                              "tokens_scored": r["metrics"].get("tokens_scored"),
                              "error": r["metrics"].get("error"), "ran_on": r["budget"].get("device"),
-                             "peak_rss_gib": r["budget"].get("peak_rss_gib")}
+                             "peak_rss_gib": r["budget"].get("peak_rss_gib"),
+                             "obfuscated_weights": r["budget"].get("obfuscated_weights")}
                for r in report["results"]}
     return {"command": " ".join(cmd[2:]), "device": device, "batch": batch, "wall_seconds": round(wall, 2),
             "attacks": attacks, "device_name": report["context"].get("device")}
