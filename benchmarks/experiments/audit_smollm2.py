@@ -54,16 +54,17 @@ def run(s: Settings, store: ResultStore) -> None:
 
         src = model_path(s.model)
         params = aloepri.resolve_params("exact", h=0, outlier_dims=4)
+        output = {"dtype": s.dtype} if s.dtype else {}
         with tempfile.TemporaryDirectory(prefix="audit-") as work:
             w = Path(work)
             if s.seed:
                 from ..lib.targets import obfuscated
 
-                t = obfuscated(src, params, s.seed, **({"dtype": s.dtype} if s.dtype else {}))
+                t = obfuscated(src, params, s.seed, **output)
                 server, key = t.model_dir, t.key_path
             else:
                 server, key = w / "server", w / "client.key"
-                aloepri.obfuscate(src, server, key, params, progress=False, **({"dtype": s.dtype} if s.dtype else {}))
+                aloepri.obfuscate(src, server, key, params, progress=False, **output)
             report = run_audit(src, server, key, s.budget, w / "report", threads=s.threads, progress=False,
                                log=print,
                                command=f"aloepri audit {src.name} --obfuscated server --key client.key "

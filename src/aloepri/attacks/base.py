@@ -124,17 +124,15 @@ def float32_copy_crowds(obfuscated_dir: str | Path, device: torch.device, share:
                         ) -> bool:
     """Whether ``models`` float32 models of the checkpoint's shapes (each about twice a bfloat16 checkpoint's files)
     would take more than ``share`` of the memory available now on ``device`` (unknown: True, the bounded choice)."""
+    from ..obfuscation.pipeline import _available_memory
+
     stored = sum(f.stat().st_size for f in Path(obfuscated_dir).glob("*.safetensors"))
     need = 2 * models * stored
     try:
-        if device.type == "cuda":
-            available = torch.cuda.mem_get_info(device)[0]
-        else:
-            with open("/proc/meminfo") as f:
-                available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, RuntimeError):
-        return True
-    return need > share * available
+        available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_memory()
+    except RuntimeError:
+        available = None
+    return available is None or need > share * available
 
 
 @dataclass
@@ -203,8 +201,9 @@ def register(name: str, on_device: bool = False) -> Callable[[AttackFn], AttackF
             res = fn(where, data, budget, seed)
             res.budget.setdefault("device", str(where.device))
             res.budget["peak_rss_gib"] = peak_rss_gib()
-            if where.obfuscated_weights() is not None:
-                res.budget["obfuscated_weights"] = where.obfuscated_weights()
+            held = where.obfuscated_weights()
+            if held is not None:
+                res.budget["obfuscated_weights"] = held
             res.seconds = time.perf_counter() - t0
             return res
 
