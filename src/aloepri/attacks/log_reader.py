@@ -1,0 +1,331 @@
+"""The log reader at scale: id-stream decipherment with sparse, bounded scores (10^3 .. 10^6 observed tokens).
+
+Same observer as ``stream_decipher`` (the id stream, the public tokenizer and chat template, public text; no key,
+no obfuscated weights), same cipher (a fixed 1:1 substitution of token ids), a search built to reach further and to
+fit the volume the logs hold:
+
+1. **Template anchors** (known pairs) and **candidates**: the ``max_candidates`` most frequent reference types
+   (at least a multiple of the observed ids), anchors always. Nothing is ever observed ids x full vocabulary.
+2. **Bigram model of the reference over the candidates**, sparse: ``log P(b | a) = base[b] + lift[a, b]``.
+3. **Mean-field annealing** on sparse beliefs (top-k candidates per observed id): each id's score for a candidate is
+   the expected log-likelihood of its observed neighbours under the current beliefs (plus a Poisson count term),
+   computed in row blocks (float32, bounded memory); a capped Sinkhorn step keeps the beliefs near one-to-one.
+4. **Assignment**: a minimum-cost bipartite matching (sparse Hungarian) on the final scores.
+5. **Block moves**: rounds of exact conditional scores given the current hard map, re-matched over a random half
+   of the ids, kept only when the exact bigram likelihood of the whole stream rises (many ids move at once).
+6. **Simulated annealing** over reassignments and swaps on the exact bigram likelihood (a dense working set of the
+   candidates in use, bounded by ``anneal_candidates``).
+7. **Warm start** (``init``): an earlier map (the same observer at a smaller volume) is refined too, and the map the
+   observer's own likelihood prefers is kept. The key is never used; ``progress`` may score stages for the caller.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+
+from .behavioural import template_anchors
+from .stream_decipher import DecipherResult, ObservedStream, adjacency, anneal_mapping
+
+BLOCK_ELEMENTS = 16_000_000  # float32 cells of one dense score block (64 MB)
+
+
+class CandidateModel:
+    """Bigram model of the reference restricted to candidate columns (``cols``: plaintext ids, most frequent first).
+    ``lp(a, b)`` = base[b] + lift[a, b] over column indices; ``unk`` = index len(cols): a plaintext outside the
+    candidates (log P of it = ``unk_logp``; from it, the unigram)."""
+
+    def __init__(self, reference: Sequence[Sequence[int]], cols: np.ndarray, vocab_size: int, lam: float = 0.8,
+                 add: float = 0.1):
+        self.cols = cols
+        c = len(cols)
+        index = np.full(vocab_size, c, np.int64)
+        index[cols] = np.arange(c)
+        self.index = index
+        seqs = [index[np.asarray(s, np.int64)] for s in reference if len(s)]
+        flat = np.concatenate(seqs)
+        uni = np.bincount(flat, minlength=c + 1).astype(np.float64)
+        # the unigram over the full vocabulary (add-``add``); the unknown bucket holds the rest of its mass
+        p = (uni[:c] + add) / (len(flat) + add * vocab_size)
+        self.p = p
+        self.unk_logp = float(np.log(max(1e-12, 1.0 - p.sum()) / max(1, vocab_size - c)))
+        a = np.concatenate([s[:-1] for s in seqs])
+        b = np.concatenate([s[1:] for s in seqs])
+        ok = (a < c) & (b < c)
+        ctx = np.bincount(a, minlength=c + 1)[:c].astype(np.float64)
+        pairs = sp.coo_matrix((np.ones(int(ok.sum())), (a[ok], b[ok])), shape=(c, c)).tocsr()
+        pairs.sum_duplicates()
+        coo = pairs.tocoo()
+        lift = np.log1p(lam * coo.data / (ctx[coo.row] * (1 - lam) * p[coo.col]))
+        self.base = np.log((1 - lam) * p).astype(np.float32)
+        self.lift = sp.csr_matrix((lift.astype(np.float32), (coo.row, coo.col)), shape=(c, c))
+        self.lift_t = self.lift.T.tocsr()
+
+    def pair_logp(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """log P(b | a) for column-index arrays (``unk`` allowed on either side)."""
+        c = len(self.cols)
+        out = np.where(b < c, self.base[np.minimum(b, c - 1)], self.unk_logp).astype(np.float64)
+        both = (a < c) & (b < c)
+        if both.any():
+            out[both] += np.asarray(self.lift[a[both], b[both]]).ravel()
+        return out
+
+
+def log_likelihood(model: CandidateModel, pairs: sp.coo_matrix, m: np.ndarray, total: int) -> float:
+    """The observer's key-free yardstick: bigram log-likelihood of the observed stream under the map ``m`` (row ->
+    column index, ``unk`` allowed; ``pairs[r, q]``: times q precedes r) plus the Poisson term ``- N p`` per id."""
+    ll = float((pairs.data * model.pair_logp(m[pairs.col], m[pairs.row])).sum())
+    c = len(model.cols)
+    return ll - total * float(model.p[m[m < c]].sum())
+
+
+def _scores_block(model: CandidateModel, left: sp.csr_matrix, right: sp.csr_matrix, belief: sp.csr_matrix,
+                  counts: np.ndarray, total: int, rows: np.ndarray) -> np.ndarray:
+    """(len(rows), C) float32: expected log-likelihood of each row's neighbours if the row were each candidate,
+    neighbours read through ``belief`` (R x C, sparse), plus the count term ``n log p - N p``."""
+    out = (counts[rows, None].astype(np.float32) * model.base[None, :]) - np.float32(total) * model.p[None, :].astype(
+        np.float32)
+    ctx_l = left[rows] @ belief  # expected plaintext (column) counts of the left neighbours
+    ctx_r = right[rows] @ belief
+    out += (ctx_l @ model.lift).toarray()
+    out += (ctx_r @ model.lift_t).toarray()
+    return out
+
+
+def _blocks(n_rows: int, n_cols: int):
+    step = max(1, BLOCK_ELEMENTS // max(1, n_cols))
+    for a in range(0, n_rows, step):
+        yield np.arange(a, min(n_rows, a + step))
+
+
+def top_scores(model: CandidateModel, left, right, belief, counts, total, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, its ``k`` best columns and their scores (R, k), computed block by block (bounded memory)."""
+    n, c = left.shape[0], len(model.cols)
+    k = min(k, c)
+    top = np.empty((n, k), np.int64)
+    val = np.empty((n, k), np.float32)
+    for rows in _blocks(n, c):
+        s = _scores_block(model, left, right, belief, counts, total, rows)
+        t = np.argpartition(-s, k - 1, axis=1)[:, :k]
+        top[rows], val[rows] = t, np.take_along_axis(s, t, axis=1)
+    return top, val
+
+
+def _belief(top: np.ndarray, prob: np.ndarray, n_cols: int) -> sp.csr_matrix:
+    rows = np.repeat(np.arange(len(top)), top.shape[1])
+    keep = prob.ravel() > 0
+    return sp.csr_matrix((prob.ravel()[keep].astype(np.float32), (rows[keep], top.ravel()[keep])),
+                         shape=(len(top), n_cols))
+
+
+def onehot(m: np.ndarray, n_cols: int) -> sp.csr_matrix:
+    ok = m < n_cols
+    return sp.csr_matrix((np.ones(int(ok.sum()), np.float32), (np.flatnonzero(ok), m[ok])), shape=(len(m), n_cols))
+
+
+def sinkhorn_cap(top: np.ndarray, prob: np.ndarray, n_cols: int, fixed_rows: np.ndarray, rounds: int = 3
+                 ) -> np.ndarray:
+    """Capped Sinkhorn: columns holding more than one unit of belief are scaled down to one, rows renormalised
+    (anchors stay one-hot). Keeps the soft map near one-to-one without forcing it."""
+    prob = prob.astype(np.float64).copy()
+    for _ in range(rounds):
+        mass = np.bincount(top.ravel(), weights=prob.ravel(), minlength=n_cols)
+        scale = np.minimum(1.0, 1.0 / np.maximum(mass, 1e-12))
+        prob *= scale[top]
+        prob /= np.maximum(prob.sum(axis=1, keepdims=True), 1e-30)
+    prob[fixed_rows] = 0.0
+    prob[fixed_rows, 0] = 1.0
+    return prob
+
+
+def match(top: np.ndarray, val: np.ndarray, n_cols: int, fixed: dict[int, int]) -> np.ndarray:
+    """1:1 row -> column maximising the summed row-normalised log-posteriors over each row's candidates (a sparse
+    minimum-cost full bipartite matching; every row may also fall on a private 'unknown' column at a high cost,
+    returned as ``n_cols``). Anchors are fixed."""
+    n, k = top.shape
+    post = val - np.logaddexp.reduce(val.astype(np.float64), axis=1, keepdims=True)
+    cost = (-post + 1.0).astype(np.float64)
+    rows = np.repeat(np.arange(n), k)
+    cols = top.ravel().copy()
+    w = cost.ravel().copy()
+    taken = np.zeros(n_cols + 1, bool)
+    for r, c in fixed.items():
+        taken[c] = True
+    free = ~np.isin(rows, list(fixed)) & ~taken[cols]
+    rows, cols, w = rows[free], cols[free], w[free]
+    fr = np.array(sorted(fixed), np.int64)
+    fc = np.array([fixed[r] for r in fr], np.int64)
+    fc = np.where(fc >= n_cols, n_cols + fr, fc)  # held on 'unknown': the row's own dummy column
+    dummy_cost = float(w.max() + 50.0) if len(w) else 1.0
+    rows = np.concatenate([rows, fr, np.arange(n)])
+    cols = np.concatenate([cols, fc, n_cols + np.arange(n)])
+    w = np.concatenate([w, np.full(len(fr), 1.0), np.full(n, dummy_cost)])
+    g = sp.csr_matrix((w, (rows, cols)), shape=(n, n_cols + n))
+    g.sum_duplicates()
+    r_idx, c_idx = min_weight_full_bipartite_matching(g)
+    assigned = np.full(n, n_cols, np.int64)
+    assigned[r_idx] = c_idx
+    return np.where(assigned >= n_cols, n_cols, assigned).astype(np.int64)
+
+
+def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference: Sequence[Sequence[int]],
+                  prefix: Sequence[int] = (), suffix: Sequence[int] = (), *, init: dict[int, int] | None = None,
+                  max_candidates: int = 12_000, candidates_per_id: float = 2.5, top_k: int = 12,
+                  temperatures: Sequence[float] = (8.0, 4.0, 2.0, 1.0, 0.5), block_rounds: int = 8,
+                  anneal_steps: int = 200, anneal_candidates: int = 8_000, seed: int = 0,
+                  progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
+    """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
+
+    ``init``: cipher id -> plaintext guess from earlier (a warm start; refined alongside the fresh run, the likelier
+    kept). ``max_candidates`` / ``candidates_per_id``: plaintext types considered (the reference's most frequent,
+    at most ``max_candidates``, at least ``candidates_per_id`` per observed id where the reference has them).
+    Memory: O(nnz of the bigram model + ids x top_k + anneal_candidates^2), never ids x candidates."""
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    stream = ObservedStream.of(requests)
+    n = len(stream.cipher_ids)
+    row_of = {int(c): r for r, c in enumerate(stream.cipher_ids)}
+    anchors = {row_of[c]: p for c, p in template_anchors(prefix, suffix, requests) if c in row_of} \
+        if (prefix or suffix) else {}
+    ref_counts = np.bincount(np.concatenate([np.asarray(s, np.int64) for s in reference]), minlength=vocab_size)
+    seen = np.flatnonzero(ref_counts)
+    n_cand = int(min(len(seen), max(max_candidates, candidates_per_id * n)))
+    cols = seen[np.argsort(-ref_counts[seen], kind="stable")][:n_cand]
+    cols = np.concatenate([cols, np.setdiff1d(np.fromiter(anchors.values(), np.int64, len(anchors)), cols)])
+    model = CandidateModel(reference, cols, vocab_size)
+    c = len(cols)
+    fixed = {r: int(model.index[p]) for r, p in anchors.items()}
+    fixed_rows = np.array(sorted(fixed), np.int64)
+    left, right = adjacency(stream)
+    left, right = left.astype(np.float32), right.astype(np.float32)
+    pairs = left.tocoo()
+    counts = stream.counts.astype(np.float64)
+    free = np.ones(n, bool)
+    free[fixed_rows] = False
+    total = int(counts[free].sum())
+    trace: list[dict] = []
+
+    def to_full(m: np.ndarray) -> np.ndarray:
+        full = np.full(vocab_size, -1, np.int64)
+        full[stream.cipher_ids] = np.where(m < c, cols[np.minimum(m, c - 1)], -1)
+        return full
+
+    def record(entry: dict, m: np.ndarray) -> None:
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        entry["log_likelihood"] = round(log_likelihood(model, pairs, m, total), 1)
+        if progress is not None:
+            entry.update(progress(entry, to_full(m)))
+        trace.append(entry)
+
+    def fix(m: np.ndarray) -> np.ndarray:
+        m[fixed_rows] = [fixed[r] for r in fixed_rows]
+        return m
+
+    # 3. mean-field annealing from the counts alone (uniform beliefs: no context yet)
+    belief = onehot(fix(np.full(n, c, np.int64)), c)
+    top, val = top_scores(model, left, right, belief, counts, total, top_k)
+    for temp in temperatures:
+        z = val.astype(np.float64) / temp
+        prob = np.exp(z - z.max(axis=1, keepdims=True))
+        prob /= prob.sum(axis=1, keepdims=True)
+        for r in fixed_rows:
+            top[r, 0] = fixed[r]
+        prob = sinkhorn_cap(top, prob, c, fixed_rows)
+        belief = _belief(top, prob, c)
+        top, val = top_scores(model, left, right, belief, counts, total, top_k)
+        record({"stage": f"mean-field T={temp:g}"}, fix(top[np.arange(n), np.argmax(val, axis=1)]))
+    starts = [("fresh", fix(match(top, val, c, fixed)))]
+    record({"stage": "matching"}, starts[0][1])
+    if init:
+        warm = fix(np.array([model.index[init[int(i)]] if int(i) in init and init[int(i)] >= 0 else c
+                             for i in stream.cipher_ids], np.int64))
+        # a warm map may repeat columns where the earlier volume's ids were not all distinct here: keep the first
+        _, first = np.unique(warm, return_index=True)
+        dup = np.ones(n, bool)
+        dup[first] = False
+        warm[dup & (warm < c)] = c
+        starts.append(("warm", fix(warm)))
+        record({"stage": "warm start"}, starts[-1][1])
+    best, best_ll = None, -np.inf
+    for name, m in starts:
+        m = block_moves(model, left, right, pairs, counts, total, m, fixed, block_rounds, top_k, rng)
+        record({"stage": f"{name}: block moves"}, m)
+        if anneal_steps:
+            m = anneal(model, left, right, counts, total, m, fixed, anneal_steps * n, anneal_candidates, top_k,
+                       int(rng.integers(1 << 30)))
+            record({"stage": f"{name}: annealing", "steps": anneal_steps * n}, m)
+        ll = trace[-1]["log_likelihood"]
+        if ll > best_ll:
+            best, best_ll = m, ll
+    trace.append({"stage": "kept", "log_likelihood": round(best_ll, 1)})
+    return DecipherResult(to_full(best), len(anchors), trace, round(time.perf_counter() - t0, 1))
+
+
+def block_moves(model: CandidateModel, left, right, pairs, counts, total, m: np.ndarray, fixed: dict[int, int],
+                rounds: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
+    """Rounds of many simultaneous moves: each id's exact conditional score given its neighbours' current columns,
+    a matching over a random subset of the ids (the others keep their columns), kept when the exact likelihood of
+    the whole stream rises. The subset halves after a rejected round."""
+    c = len(model.cols)
+    n = len(m)
+    ll = log_likelihood(model, pairs, m, total)
+    share = 1.0
+    for _ in range(rounds):
+        top, val = top_scores(model, left, right, onehot(m, c), counts, total, top_k)
+        moving = rng.random(n) < share
+        keep = {r: int(m[r]) for r in np.flatnonzero(~moving)}
+        keep.update(fixed)
+        # columns held by ids that stay are not offered to the moving ones
+        cand = match(top, val, c, keep)
+        new_ll = log_likelihood(model, pairs, cand, total)
+        if new_ll > ll:
+            m, ll = cand, new_ll
+        else:
+            share /= 2
+            if share < 0.02:
+                break
+    return m
+
+
+def anneal(model: CandidateModel, left, right, counts, total, m: np.ndarray, fixed: dict[int, int], steps: int,
+           n_work: int, top_k: int, seed: int) -> np.ndarray:
+    """Simulated annealing (``stream_decipher.anneal_mapping``: reassignments and swaps on the exact bigram
+    likelihood) over a dense working set: the columns in use, each id's best columns, and the most frequent
+    candidates up to ``n_work``. Ids on no candidate keep it."""
+    c = len(model.cols)
+    top, _ = top_scores(model, left, right, onehot(m, c), counts, total, top_k)
+    used = m[m < c]
+    work = np.unique(np.concatenate([used, top.ravel(), np.arange(min(c, n_work))]))
+    if len(work) > max(n_work, len(used)):  # bounded: used columns first, then the most frequent
+        work = np.unique(np.concatenate([used, np.setdiff1d(work, used)[:max(0, n_work - len(used))]]))
+    k = len(work)
+    widx = np.full(c + 1, -1, np.int64)
+    widx[work] = np.arange(k)
+    lb = model.lift[work][:, work].toarray()
+    lb += model.base[work][None, :]
+    # one extra working column for 'unknown': log P(unk | a) = unk_logp; log P(b | unk) = base[b]
+    log_bigram = np.empty((k + 1, k + 1), np.float32)
+    log_bigram[:k, :k] = lb
+    log_bigram[k, :k] = model.base[work]
+    log_bigram[:, k] = model.unk_logp
+    del lb
+    start = np.where(m < c, widx[np.minimum(m, c)], k)
+    start[(m < c) & (start < 0)] = k
+    frozen = dict(fixed)
+    frozen.update({int(r): k for r in np.flatnonzero(start == k)})
+    prior = np.concatenate([-total * model.p[work], [0.0]]).astype(np.float64)
+    rng = np.random.default_rng(seed)
+    prop = widx[top]
+    prop = np.where(prop < 0, start[:, None], prop)
+    # plus random columns of similar reference frequency
+    rank = np.clip(start[:, None] + rng.integers(-40, 41, (len(m), 4)) * np.maximum(1, start[:, None] // 25), 0, k - 1)
+    proposals = np.concatenate([prop, rank], axis=1)
+    fixed_w = {r: int(start[r]) for r in frozen}
+    out = anneal_mapping(left.astype(np.float64), right.astype(np.float64), prior, log_bigram, start, fixed_w,
+                         proposals, np.sqrt(counts), steps, t_start=2.0, seed=seed)
+    res = np.where(out < k, work[np.minimum(out, k - 1)], c)
+    res[list(fixed)] = [fixed[r] for r in fixed]
+    return res
