@@ -104,8 +104,9 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .eval.fidelity import PlainReference, builtin_prompt_ids, compare_with_reference, kept_records, \
-        record_scope, release_memory
+    from .eval.fidelity import PlainReference, builtin_prompt_ids, compare_with_reference, fidelity_verdict, \
+        kept_records, needs_precision_reference, precision_scope, record_scope, release_memory, round_weights_, \
+        stored_precision, verdict_line
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
     from .models import resolve_model
@@ -123,20 +124,35 @@ def cmd_verify(a: argparse.Namespace) -> int:
     prompts = builtin_prompt_ids(tok, key.vocab_size, a.prompts)
     store = ResultStore(a.results) if a.results else None
     scope = record_scope(src, a.out, key, device)
+    # an output narrower than float32 is read against plaintext rounded to its precision, measured on the same
+    # prompts in this run (three steps a prompt instead of two)
+    dtype = stored_precision(a.out)
+    narrow = needs_precision_reference(dtype)
+    ref_scope = precision_scope(scope, dtype) if narrow else None
     done = [r is not None for r in kept_records(store, prompts, a.greedy_tokens, scope=scope)]
+    if narrow:
+        done = [d and r is not None for d, r in zip(done, kept_records(store, prompts, a.greedy_tokens,
+                                                                       scope=ref_scope))]
     # one model in memory at a time: the plaintext model's outputs are taken (prompts a --results file already
-    # holds are skipped), it is freed, then the obfuscated model loads; two steps a prompt on the bar
+    # holds are skipped), it is freed, then the obfuscated model loads
     plain = load_plain_model(src, device=device)
-    with Progress(2 * len(prompts), "verify", unit="step", enabled=not a.quiet) as bar:
+    with Progress((3 if narrow else 2) * len(prompts), "verify", unit="step", enabled=not a.quiet) as bar:
         bar.start("plaintext model")
         reference = PlainReference(plain, prompts, a.greedy_tokens, key.special_tokens.get("eos_token_id"), device,
                                    skip=done, progress=bar)
+        at_precision = None
+        if narrow:
+            bar.start(f"plaintext at {str(dtype).replace('torch.', '')}")
+            at_precision = compare_with_reference(reference, round_weights_(plain, dtype), None, device,
+                                                  progress=bar, store=store, scope=ref_scope).to_dict()
         del plain
         release_memory()
         bar.start("obfuscated model")
         fid = compare_with_reference(reference, load_obfuscated_model(a.out, device=device), key, device,
-                                     progress=bar, store=store, scope=scope)
-    print(json.dumps(fid.to_dict(), indent=2))
+                                     progress=bar, store=store, scope=scope).to_dict()
+    verdict = fidelity_verdict(fid, at_precision, dtype)
+    print(json.dumps({**fid, **verdict}, indent=2))
+    print(verdict_line(fid, verdict), file=sys.stderr)
     return 0
 
 

@@ -310,6 +310,52 @@ def test_measured_context_section(ci_report, tmp_path):
     assert "Measured context" not in render_html(ci_report.data, context_path=tmp_path / "absent.json")
 
 
+def test_the_packaged_context_is_the_rendering_of_its_source_and_shows_the_log_reader(ci_report):
+    """The context the page shows is generated from docs/audit-context.md, whose figures come from the store
+    (tests/benchmarks/test_docs_blocks.py checks that rendering); the log reader's section sits under its own
+    heading with this audit's figure and the volume it assumes."""
+    sections, problem = load_context()
+    assert problem is None and sections
+    assert any(s.get("id") == "log-reader" for s in sections)
+    page = render_html(ci_report.data)
+    log_part = page[page.index("<h2>The log reader</h2>"):]
+    mine = [a for a in ci_report.data["attacks"] if a["observer"] == ID_STREAM and a["status"] == "ran"]
+    if mine:
+        best = max(mine, key=lambda a: a["ttrsr"])
+        assert f"{100 * best['ttrsr']:.1f}%" in log_part and "the volume this figure assumes" in log_part
+    # no sentence of the page says the log reader recovers little or that more traffic does not help
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert "did not help" not in text and "recovered little in our measurement" not in text
+
+
+def test_each_chart_point_names_its_observer():
+    from aloepri.audit.html import plot_svg
+
+    report = {"parameters": {"source": ""}, "inputs": {"plain": ""}, "fidelity": {"top1_agreement": 1.0},
+              "worst_prompt_token_recovery": 1.0,
+              "attacks": [_entry("vma", PROVIDER, ttrsr=1.0), _entry("stream-decipher", ID_STREAM, ttrsr=0.2)]}
+    svg = plot_svg(report, {"models": {}})
+    assert "provider: vma 100.0%" in svg and "log reader: stream-decipher 20.0%" in svg
+    assert svg.count('fill="#fff" fill-opacity="0.6"') == 2  # the log reader's point and its legend icon are hollow
+
+
+def test_advice_only_when_it_applies():
+    from aloepri.audit.html import advice_for
+
+    outside = _entry("behavioural", PROVIDER, "skipped", reason="outside the 'ci' budget (runs with --budget small)",
+                     why="outside the 'ci' budget")
+    absent = _entry("sda", ID_STREAM, "skipped", reason="not installed (scipy)", why="not installed")
+    at_full = verdicts([_entry("vma", PROVIDER, ttrsr=1.0), outside, _entry("sd", ID_STREAM, ttrsr=0.2)])
+    assert advice_for(at_full[PROVIDER].to_dict(), [outside]) == ""  # 100%: nothing can raise it
+    assert advice_for(at_full[ID_STREAM].to_dict(), [outside]) == ""  # complete: every log-reader attack ran
+    part = verdicts([_entry("vma", PROVIDER, ttrsr=0.4), outside, _entry("sd", ID_STREAM, ttrsr=0.2), absent])
+    attacks = [outside, absent]
+    says = advice_for(part[PROVIDER].to_dict(), attacks)
+    assert "rerun with --budget small (adds behavioural)" in says and "install what is missing" in says
+    says = advice_for(part[ID_STREAM].to_dict(), attacks)
+    assert "install what is missing" in says and "--budget" not in says and "grows with the traffic" in says
+
+
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 
 

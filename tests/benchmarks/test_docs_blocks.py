@@ -133,3 +133,53 @@ def test_docs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     staging.write_text_atomic(doc, "new\n")
     assert doc.read_text() == "new\n" and os.listdir(tmp_path) == ["doc.md"]
     assert doc.stat().st_mode & 0o777 == 0o666 & ~staging.current_umask()
+
+
+# --- inline figures and the generated audit context ----------------------------------------------------------
+
+from benchmarks.lib.docs import (CONTEXT_SOURCE, INLINE, FigSpec, context_sections, format_values,  # noqa: E402
+                                 render_generated)
+
+
+def test_inline_figure_spec_and_formats():
+    spec = FigSpec.parse("exp --config a,b --entry k/1 --field x.y --fmt pct --agg max")
+    assert spec == FigSpec("exp", ("a", "b"), ("k/1",), "x.y", "pct", "max")
+    for bad, says in [("exp --config c --entry e", "no --field"), ("exp --config c --entry e --field f --fmt pc",
+                                                                    "not one of"),
+                      ("--config c", "names no experiment"), ("exp --config c, --entry e --field f", "empty")]:
+        with pytest.raises(ValueError, match=says):
+            FigSpec.parse(bad)
+    assert format_values([0.167, 0.24], "pct", "range") == "16.7-24.0%"
+    assert format_values([0.5, 0.5004], "pct", "range") == "50.0%"
+    assert format_values([0.2, 0.9], "pct0", "max") == "90%"
+    assert format_values([90.0, 150.0], "min", "range") == "1.5-2.5 min"
+
+
+def test_inline_figures_are_rewritten_and_a_hand_edit_is_stale():
+    text = "a <!-- fig e --config c --entry k --field v --fmt pct -->12.0%<!-- /fig --> b\n"
+    new, stale = rewrite(text, lambda s: "", "doc.md", lambda f: "12.0%")
+    assert new == text and stale == []
+    new, stale = rewrite(text, lambda s: "", "doc.md", lambda f: "13.5%")
+    assert "-->13.5%<!-- /fig -->" in new and len(stale) == 1 and stale[0].open_line == 0
+    with pytest.raises(MarkerError, match=r"doc.md:1: an inline figure"):
+        rewrite("x <!-- fig e --config c --entry k --field v -->1\n", lambda s: "", "doc.md", lambda f: "1")
+
+
+def test_editing_one_rendered_figure_in_the_readme_by_hand_fails_the_check(tmp_path):
+    """The real README against the real store: one figure typed over is caught, and so is a stored result
+    that changed without a re-render (the same comparison, seen from the store's side)."""
+    readme = (REPO / "README.md").read_text()
+    m = next(INLINE.finditer(readme), None)
+    assert m is not None, "the README renders its figures from the store: it has inline figures"
+    assert render_docs([REPO / "README.md"], check=True) == []
+    edited = tmp_path / "README.md"
+    edited.write_text(readme[:m.start("body")] + "99.9%" + readme[m.end("body"):])
+    stale = render_docs([edited], check=True)
+    assert len(stale) == 1 and "fig " + m["spec"].split(" --fmt")[0].split(" --agg")[0] in stale[0]
+
+
+def test_the_audit_context_in_the_package_is_rendered_from_its_source():
+    assert render_generated(check=True) == [], "run `python -m benchmarks render-docs`"
+    sections = context_sections(CONTEXT_SOURCE.read_text())["sections"]
+    assert sections and all(s["title"] and s["text"] and s["source"] for s in sections)
+    assert not any("<!--" in s["text"] for s in sections)

@@ -6,8 +6,11 @@ such as "my model is a private fine-tune" or "only logs leak"), its sections are
 
     {"sections": [{"title": str, "text": str, "source": str}]}
 
-A section may add ``"table": {"columns": [str, ...], "rows": [[cell, ...], ...]}`` for its figures. A missing file
-shows nothing; an unreadable one says so in the page.
+The file is generated (``python -m benchmarks render-docs``) from ``docs/audit-context.md``, whose figures are
+rendered from ``benchmarks/results``: nothing in it is typed by hand. Paragraphs of ``text`` are separated by a
+blank line. A section may add ``"table": {"columns": [str, ...], "rows": [[cell, ...], ...]}`` for its figures, and
+``"id": "log-reader"`` to be shown under "The log reader" instead. A missing file shows nothing; an unreadable one
+says so in the page.
 """
 from __future__ import annotations
 
@@ -59,9 +62,11 @@ def _num(x: Any, fmt: str = "{:.3f}") -> str:
 # --- plot -----------------------------------------------------------------------------------------------------
 
 
-def marker(shape: str, cx: float, cy: float, r: float, colour: str, body: str = "") -> str:
-    """One attack's point: a distinct shape per attack, so points at the same place stay tellable apart."""
-    attrs = f'fill="{colour}" fill-opacity="0.85" stroke="#fff" stroke-width="1"'
+def marker(shape: str, cx: float, cy: float, r: float, colour: str, body: str = "", hollow: bool = False) -> str:
+    """One attack's point: a distinct shape per attack, so points at the same place stay tellable apart; hollow
+    (outline only) for the log reader's attacks, filled for the provider's."""
+    attrs = (f'fill="#fff" fill-opacity="0.6" stroke="{colour}" stroke-width="2"' if hollow else
+             f'fill="{colour}" fill-opacity="0.85" stroke="#fff" stroke-width="1"')
     if shape == "circle":
         el = f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="{r}" {attrs}>'
         end = "</circle>"
@@ -141,13 +146,18 @@ def plot_svg(report: dict[str, Any], measured: dict[str, Any] | None = None) -> 
     top1 = fid.get("top1_agreement")
     ran = [a for a in report["attacks"] if a["status"] == "ran"]
     if top1 is not None:
+        # the provider's attacks first, then the log reader's; each legend row names the observer it counts
+        # against, and the log reader's points are drawn hollow
+        ran = sorted(ran, key=lambda a: a["observer"] != PROVIDER)
         offsets = spread([y(a["ttrsr"]) for a in ran])
         for i, (a, dx) in enumerate(zip(ran, offsets)):
             colour = ATTACK_COLOURS[i % len(ATTACK_COLOURS)]
             shape = MARKER_SHAPES[i % len(MARKER_SHAPES)]
-            parts.append(marker(shape, x(top1) + dx, y(a["ttrsr"]), 5, colour,
-                                f'<title>{escape(a["name"])}: {_pct(a["ttrsr"])}</title>'))
-            legend.append((marker(shape, 0, 0, 5, colour), f"{a['name']}: {_pct(a['ttrsr'])}"))
+            hollow = a["observer"] == ID_STREAM
+            label = f"{OBSERVER_SHORT[a['observer']]}: {a['name']} {_pct(a['ttrsr'])}"
+            parts.append(marker(shape, x(top1) + dx, y(a["ttrsr"]), 5, colour, f'<title>{escape(label)}</title>',
+                                hollow))
+            legend.append((marker(shape, 0, 0, 5, colour, "", hollow), label))
         worst = report.get("worst_prompt_token_recovery")
         if worst is not None:
             parts.append(f'<circle cx="{x(top1):.1f}" cy="{y(worst):.1f}" r="10" fill="none" stroke="#1a202c" '
@@ -188,6 +198,42 @@ def at_least(o: dict[str, Any]) -> bool:
     return bool(o["lower_bound"]) and o["recovery"] is not None and below_maximum(o["recovery"])
 
 
+OBSERVER_SHORT = {PROVIDER: "provider", ID_STREAM: "log reader"}
+# what a user can do about an attack that did not run, by its short reason (run.py's ``why``)
+REMEDIES = {
+    "not installed": "install what is missing",
+    "failed": "see the table for why it failed",
+    "not reached": "rerun the same command: the audit resumes where it stopped",
+    "needs a tokenizer": "give a plaintext model that ships its tokenizer",
+}
+
+
+def advice_for(o: dict[str, Any], attacks: Sequence[dict[str, Any]]) -> str:
+    """What to do about an observer's lower bound, from why its attacks did not run; '' when nothing applies (the
+    figure is complete, or already 100%, which no attack can raise)."""
+    if not at_least(o):
+        return ""
+    mine = [a for a in attacks if a["status"] != "ran" and a.get("applicable", True)
+            and (o["observer"] == PROVIDER or a["observer"] == o["observer"])]
+    steps: list[str] = []
+    larger: dict[str, list[str]] = {}  # "--budget small" -> the attacks it would add
+    for a in mine:
+        why = a.get("why") or a["status"]
+        if why.startswith("outside the") and "runs with " in (a.get("reason") or ""):
+            larger.setdefault(a["reason"].split("runs with ")[-1].rstrip(")"), []).append(a["name"])
+        elif REMEDIES.get(why) and REMEDIES[why] not in steps:
+            steps.append(REMEDIES[why])
+    steps = [f"rerun with {flag} (adds {', '.join(names)})" for flag, names in sorted(larger.items())] + steps
+    who = OBSERVER_SHORT[o["observer"]]
+    text = (f"The {who}'s {_pct(o['recovery'])} is a lower bound: {len(mine)} attack(s) counted against the {who} did "
+            "not run (see the table).")
+    if steps:
+        text += " To measure it: " + "; ".join(steps) + "."
+    if o["observer"] == ID_STREAM:
+        text += " The log reader's figure also grows with the traffic it sees (see \"The log reader\" below)."
+    return text
+
+
 def _verdict_html(report: dict[str, Any]) -> str:
     v = report["verdict"]
     lead = v[PROVIDER]
@@ -203,10 +249,10 @@ def _verdict_html(report: dict[str, Any]) -> str:
     out.append("</div>")
     for w in report.get("warnings") or []:
         out.append(f'<p class="warn">Check: {escape(w)}.</p>')
-    if any(at_least(v[k]) for k in (PROVIDER, ID_STREAM)):
-        out.append('<p class="warn">Some attacks did not run (see the table). A recovery figure is then a lower '
-                   'bound: the real exposure can be higher, and a low figure cannot be read as safety. Rerun with '
-                   'a larger <code>--budget</code> or install what is missing.</p>')
+    for key in (PROVIDER, ID_STREAM):
+        advice = advice_for(v[key], report["attacks"])
+        if advice:
+            out.append(f'<p class="warn">{escape(advice)}</p>')
     return "".join(out)
 
 
@@ -254,28 +300,64 @@ def _kv_table(d: dict[str, Any]) -> str:
                                for k, v in d.items()) + "</table>"
 
 
-def _context_html(path: Any = None) -> str:
-    sections, problem = load_context(path)
+def _section_html(s: dict[str, Any], level: str = "h3") -> str:
+    out = [f"<{level}>{escape(s['title'])}</{level}>"] if level else []
+    out += [f"<p>{escape(par)}</p>" for par in s["text"].split("\n\n") if par.strip()]
+    table = s.get("table")
+    if isinstance(table, dict) and isinstance(table.get("columns"), list) and isinstance(table.get("rows"), list):
+        head = "".join(f"<th>{escape(str(c))}</th>" for c in table["columns"])
+        body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>"
+                       for row in table["rows"] if isinstance(row, list))
+        out.append(f"<table><tr>{head}</tr>{body}</table>")
+    out.append(f'<p class="small">Source: {escape(s["source"])}</p>')
+    return "".join(out)
+
+
+LOG_READER_SECTION = "log-reader"  # the measured-context section shown under "The log reader"
+
+
+def _log_reader_html(report: dict[str, Any], sections: list[dict[str, Any]] | None) -> str:
+    """What the log reader read in this audit, at which volume, its curve against volume when the audit measured
+    one, and what the project measured at larger volumes and with other reference text."""
+    mine = [a for a in report["attacks"] if a["observer"] == ID_STREAM and a["status"] == "ran"
+            and a.get("ttrsr") is not None]
+    out = ["<h2>The log reader</h2>"]
+    if mine:
+        best = max(mine, key=lambda a: a["ttrsr"])
+        volume = best.get("tokens_observed")
+        out.append(f"<p>In this audit the strongest log-reader attack, {escape(best['name'])}, read "
+                   f"{_pct(best['ttrsr'])} of the private prompt tokens and {_pct(best.get('piirsr'))} of the PII "
+                   f"tokens, from {f'{volume:,}' if volume else 'the'} tokens of traffic: the volume this figure "
+                   "assumes. A log reader who sees more traffic, or holds text like yours, reads more.</p>")
+    else:
+        out.append("<p>No log-reader attack ran in this audit: it says nothing about this observer.</p>")
+    curve = report.get("log_reader_curve") or []
+    if curve:
+        rows = "".join(f'<tr><td class="num">{int(c["tokens"]):,}</td><td class="num">'
+                       f'{_pct(c.get("prompt_token_recovery"))}</td><td class="num">{_pct(c.get("pii_token_recovery"))}'
+                       f'</td></tr>' for c in curve)
+        out.append("<p>Measured by this audit against the volume of traffic (synthetic traffic permuted with your "
+                   "key):</p><table><tr><th>Tokens observed</th><th>Prompt tokens read</th><th>PII tokens read</th>"
+                   f"</tr>{rows}</table>")
+    for s in sections or []:
+        if s.get("id") == LOG_READER_SECTION:
+            out.append(_section_html(s, ""))
+    return "".join(out)
+
+
+def _context_html(sections: list[dict[str, Any]] | None, problem: str | None) -> str:
     if problem:
         return f'<h2>Measured context</h2><p class="small">{escape(problem)}</p>'
-    if not sections:
+    rest = [s for s in sections or [] if s.get("id") != LOG_READER_SECTION]
+    if not rest:
         return ""
-    out = ["<h2>Measured context</h2>"]
-    for s in sections:
-        out.append(f"<h3>{escape(s['title'])}</h3><p>{escape(s['text'])}</p>")
-        table = s.get("table")
-        if isinstance(table, dict) and isinstance(table.get("columns"), list) and isinstance(table.get("rows"), list):
-            head = "".join(f"<th>{escape(str(c))}</th>" for c in table["columns"])
-            body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>"
-                           for row in table["rows"] if isinstance(row, list))
-            out.append(f"<table><tr>{head}</tr>{body}</table>")
-        out.append(f'<p class="small">Source: {escape(s["source"])}</p>')
-    return "".join(out)
+    return "<h2>Measured context</h2>" + "".join(_section_html(s) for s in rest)
 
 
 def render_html(report: dict[str, Any], context_path: Any = None) -> str:
     """The page for a report.json dict; ``context_path`` replaces the package's measured context file."""
     measured = frontier_mod.load_measured()
+    sections, problem = load_context(context_path)
     p = report["parameters"]
     presets = ", ".join(p.get("matches_presets") or []) or "custom"
     prov = {"budget": report["budget"], "private prompts": report["private_prompts"], "seed": report["seed"],
@@ -291,13 +373,15 @@ def render_html(report: dict[str, Any], context_path: Any = None) -> str:
         "<h2>Who can read your prompts</h2>", _verdict_html(report),
         "<h2>Recovery against accuracy</h2>", plot_svg(report, measured),
         '<p class="small">Each coloured point is one attack of this audit, at this setting\'s top-1 agreement '
-        "(points at the same height are set side by side, each attack with its own shape). Grey "
+        "(points at the same height are set side by side, each attack with its own shape); the legend names the "
+        "observer each counts against: filled points are the provider's, hollow points the log reader's. Grey "
         "points are settings the project measured on the same model (highest recovery over the attacks run on "
         "each); the dashed line joins the ones no other setting beats on both axes. No point below the 90% line at "
         "useful accuracy means no measured setting hides the prompts from the provider there.</p>",
         "<h2>Attacks</h2>", _attack_rows(report["attacks"]),
         "<h2>Fidelity</h2>", _fidelity_html(report["fidelity"]),
-        _context_html(context_path),
+        _log_reader_html(report, sections),
+        _context_html(sections, problem),
         "<h2>Parameters</h2>", _kv_table({**p["params"], "h (effective)": p.get("h_effective"),
                                           "architecture": p.get("architecture"), "vocabulary": p.get("vocab_size"),
                                           "model fingerprint": p.get("model_fingerprint")}),

@@ -45,7 +45,7 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
     import torch
 
     from ..storage.devices import resolve_device
-    from .fidelity import load_and_report
+    from .fidelity import load_and_report, verdict_line
 
     device = resolve_device(a.device)
     torch.set_num_threads(a.threads)
@@ -53,6 +53,7 @@ def cmd_eval_fidelity(a: argparse.Namespace) -> int:
                              results=a.results, prompts=a.prompts, greedy_tokens=a.greedy_tokens,
                              corpus=a.corpus, corpus_texts_n=a.texts, max_tokens=a.max_tokens)
     print(json.dumps(report, indent=2))
+    print(verdict_line(report["prompts"], report["prompts"]), file=sys.stderr)
     return 0
 
 

@@ -415,12 +415,16 @@ class ReportReferences:
     def __init__(self, plain_model, key: KeyFile, tokenizer, prompts: int | None = None, greedy_tokens: int = 24,
                  corpus: str | None = None, corpus_texts_n: int = 32, max_tokens: int = 128, device=None,
                  spill_dir: str | Path | None = None, texts: ReportTexts | None = None,
-                 progress: Progress | None = None, store: ResultStore | None = None, scope: str = ""):
+                 progress: Progress | None = None, store: ResultStore | None = None, scope: str = "",
+                 also_scope: str = ""):
         dev = place_models(device, plain_model)
         if texts is None:
             texts = report_texts(key, tokenizer, prompts, corpus, corpus_texts_n, max_tokens)
         eos = key.special_tokens.get("eos_token_id")
         done = [r is not None for r in kept_records(store, texts.prompts, greedy_tokens, False, "prompts", scope)]
+        if also_scope:  # a second comparison of the prompts (``also_scope``) must have kept its records too
+            done = [d and r is not None for d, r in
+                    zip(done, kept_records(store, texts.prompts, greedy_tokens, False, "prompts", also_scope))]
         self.prompts = PlainReference(plain_model, texts.prompts, greedy_tokens, eos, dev,
                                       _subdir(spill_dir, "prompts"), skip=done, progress=progress)
         self.corpus: PlainReference | None = None
@@ -495,17 +499,111 @@ def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Pat
     store = ResultStore(results) if results is not None else None
     scope = record_scope(src, server_dir, key, dev)
     texts = report_texts(key, tok, prompts, corpus, corpus_texts_n, max_tokens)
+    # an output narrower than float32 is read against plaintext rounded to its precision on the same prompts
+    dtype = stored_precision(server_dir)
+    narrow = needs_precision_reference(dtype)
+    ref_scope = precision_scope(scope, dtype) if narrow else ""
     with tempfile.TemporaryDirectory(prefix="aloepri-reference-") as spill:
         plain = inference.load_plain_model(src, device=dev)
-        with Progress(2 * texts.count, "fidelity", unit="step", enabled=progress) as bar:
+        steps = 2 * texts.count + (len(texts.prompts) if narrow else 0)
+        with Progress(steps, "fidelity", unit="step", enabled=progress) as bar:
             bar.start("plaintext model")
             references = ReportReferences(plain, key, tok, greedy_tokens=greedy_tokens, device=dev,
-                                          spill_dir=spill, texts=texts, progress=bar, store=store, scope=scope)
+                                          spill_dir=spill, texts=texts, progress=bar, store=store, scope=scope,
+                                          also_scope=ref_scope)
+            at_precision = None
+            if narrow:
+                bar.start(f"plaintext at {_dtype_name(dtype)}")
+                at_precision = compare_with_reference(references.prompts, round_weights_(plain, dtype), None, dev,
+                                                      progress=bar, store=store, scope=ref_scope).to_dict()
             del plain
             release_memory()
             bar.start("obfuscated model")
             obf = inference.load_obfuscated_model(server_dir, device=dev)
-            return report_with_references(references, obf, key, dev, progress=bar, store=store, scope=scope)
+            report = report_with_references(references, obf, key, dev, progress=bar, store=store, scope=scope)
+    report["prompts"].update(fidelity_verdict(report["prompts"], at_precision, dtype))
+    return report
+
+
+# --- the reference a fidelity figure is read against ------------------------------------------------------------
+
+WIDE_FLOATS = (torch.float32, torch.float64)
+
+
+def stored_precision(model_dir: str | Path) -> torch.dtype | None:
+    """The float an obfuscated checkpoint is stored in (its config's ``dtype`` / ``torch_dtype``); None when it
+    does not say or is quantized (an engine's own format)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("quantization_config") is not None:
+        return None
+    name = str(config.get("dtype") or config.get("torch_dtype") or "").replace("torch.", "")
+    dtype = getattr(torch, name, None) if name else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def needs_precision_reference(dtype: torch.dtype | None) -> bool:
+    """Whether an output in ``dtype`` is read against plaintext rounded to it (narrower than float32) rather than
+    against plaintext itself."""
+    return dtype is not None and dtype not in WIDE_FLOATS
+
+
+@torch.no_grad()
+def round_weights_(model, dtype: torch.dtype):
+    """``model`` with every floating parameter rounded to ``dtype`` and kept in its own dtype (in place): the
+    plaintext model as it would be stored at an output's precision, computed as the obfuscated one is."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype).to(p.dtype)
+    return model
+
+
+def precision_scope(scope: str, dtype: torch.dtype) -> str:
+    """The record scope of the plaintext-rounded-to-``dtype`` reference beside a fidelity run's ``scope``."""
+    return json.dumps([scope, "plaintext rounded to", str(dtype)])
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "the source's precision"
+
+
+def fidelity_verdict(fid: dict, reference: dict | None, dtype: torch.dtype | None) -> dict:
+    """One word for a prompt-fidelity figure, read against what the output's precision allows.
+
+    - no reference (a float32 or wider output): ``lossless`` when every position's top token and every greedy
+      continuation agree with plaintext, else ``lossy``;
+    - a reference (plaintext rounded to a narrower output precision, measured on the same prompts): ``as plaintext
+      at <dtype>`` when the top-1 agreement is within two standard errors of the reference's (a key moves it by
+      about that much) and the mean KL is at most 3x the reference's, else ``lossy``."""
+    if reference is None:
+        exact = fid["top1_agreement"] == 1.0 and fid["greedy_match_rate"] == 1.0
+        word = "lossless" if exact else "lossy"
+        why = ("every top token and greedy continuation equals plaintext's" if exact else
+               "top tokens or greedy continuations differ from plaintext's")
+        return {"verdict": word, "reference": {"what": f"plaintext ({_dtype_name(dtype)})", "top1_agreement": 1.0,
+                                               "mean_kl": 0.0, "greedy_match_rate": 1.0}, "why": why}
+    q, n = 1.0 - reference["top1_agreement"], max(1, reference["positions"])
+    tolerance = max(0.005, 2 * math.sqrt(2 * q * (1 - q) / n))
+    close_top1 = fid["top1_agreement"] >= reference["top1_agreement"] - tolerance
+    close_kl = fid["mean_kl"] <= 3 * reference["mean_kl"] + 1e-9
+    name = _dtype_name(dtype)
+    word = f"as plaintext at {name}" if close_top1 and close_kl else "lossy"
+    why = (f"top-1 {fid['top1_agreement']:.3f} against plaintext {name}'s {reference['top1_agreement']:.3f} "
+           f"(tolerance {tolerance:.3f}); KL {fid['mean_kl']:.2e} against {reference['mean_kl']:.2e} (at most 3x)")
+    return {"verdict": word, "reference": {"what": f"plaintext with its weights rounded to {name}, the same prompts",
+                                           **{k: reference[k] for k in ("top1_agreement", "mean_kl",
+                                                                         "greedy_match_rate")}}, "why": why}
+
+
+def verdict_line(fid: dict, verdict: dict) -> str:
+    """The verdict in one line for a terminal, with the reference beside each figure."""
+    ref = verdict["reference"]
+    return (f"fidelity: {verdict['verdict']} -- top-1 {fid['top1_agreement']:.3f} (reference "
+            f"{ref['top1_agreement']:.3f}), greedy match {fid['greedy_match_rate']:.2f} (reference "
+            f"{ref['greedy_match_rate']:.2f}), KL {fid['mean_kl']:.2e} (reference {ref['mean_kl']:.2e}); reference: "
+            f"{ref['what']}")
 
 
 def release_memory() -> None:
