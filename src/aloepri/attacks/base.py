@@ -48,17 +48,25 @@ class AttackTarget:
     ``aloepri obfuscate`` writes from a quantized source) can keep its weights as stored (``runtime.precision``:
     the same logits, half the memory of a float32 copy, but each weight is converted when its layer runs: 1.8x the
     time of a batched forward pass on 2 cores, 3.8x a one-token step). ``hold_stored`` None (default) holds it as
-    stored only when two float32 models would crowd the memory (``float32_copy_crowds``); True / False force it."""
+    stored only when two float32 models would crowd the memory (``float32_copy_crowds``); True / False force it.
+
+    ``engine`` (aloepri.attacks.engines.ENGINES; ``engine_why``: how it was chosen, in words): how the attacks that
+    run the models run them (``engines()``); the attacks that read weights or hidden states use the torch models
+    (``plain_model``, ``obf_model``) whatever the engine."""
 
     def __init__(self, plain_src: str | Path, obfuscated_dir: str | Path, key: KeyFile | str | Path | None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
-                 hold_stored: bool | None = None):
+                 hold_stored: bool | None = None, engine: str = "torch", engine_why: str = "the default (torch)",
+                 threads: int | None = None):
         self.plain_src = Path(plain_src)
         self.obfuscated_dir = Path(obfuscated_dir)
         self.key = key if (key is None or isinstance(key, KeyFile)) else load_key(key)
         self.dtype = dtype
         self.device = resolve_device(device)
         self.hold_stored = hold_stored
+        self.engine, self.engine_why = engine, engine_why
+        self.threads = threads
+        self._engines: tuple | None = None
         self._elsewhere: dict[str, AttackTarget] = {}
 
     def on(self, device: str | torch.device) -> "AttackTarget":
@@ -69,8 +77,62 @@ class AttackTarget:
             return self
         if str(dev) not in self._elsewhere:
             self._elsewhere[str(dev)] = AttackTarget(self.plain_src, self.obfuscated_dir, self.key, self.dtype, dev,
-                                                     self.hold_stored)
+                                                     self.hold_stored, self.engine, self.engine_why, self.threads)
         return self._elsewhere[str(dev)]
+
+    def engines(self):
+        """(plaintext engine, obfuscated engine) of ``engine``, opened once (aloepri.attacks.engines)."""
+        if self._engines is None:
+            from .engines import TORCH, open_engines
+
+            if self.engine == TORCH:
+                self._engines = open_engines(TORCH, self.plain_src, self.obfuscated_dir, self.plain_model,
+                                             self.obf_model)
+            else:
+                self._engines = open_engines(self.engine, self.plain_src, self.obfuscated_dir,
+                                             threads=self.threads or torch.get_num_threads())
+        return self._engines
+
+    def engine_record(self) -> dict[str, Any]:
+        """The engine as an attack's result records it (the engines open)."""
+        from .engines import describe_pair
+
+        return {**describe_pair(*self.engines()), "engine_choice": self.engine, "engine_why": self.engine_why}
+
+    def release(self, models: bool = True, engines: bool = True) -> None:
+        """Free the torch models and/or the engines held (the next use loads them again), so that one step's
+        memory is not the next's."""
+        if engines and self._engines is not None:
+            for e in self._engines:
+                e.close()
+            self._engines = None
+        if models:
+            if self.engine == "torch":
+                self._engines = None  # they wrap the models
+            for name in ("plain_model", "obf_model"):
+                self.__dict__.pop(name, None)
+        for other in self._elsewhere.values():
+            other.release(models, engines)
+        import gc
+
+        gc.collect()
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+    @cached_property
+    def plain_config(self):
+        """The public model's config (read without loading the model, unless it is loaded already)."""
+        if "plain_model" in self.__dict__:
+            return self.plain_model.config
+        from transformers import AutoConfig
+
+        from ..storage.sources import pretrained_kwargs
+
+        return AutoConfig.from_pretrained(**pretrained_kwargs(self.plain_src))
 
     @cached_property
     def plain_model(self):
@@ -105,7 +167,7 @@ class AttackTarget:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.plain_model.config.vocab_size)
+        return int(self.plain_config.vocab_size)
 
     def true_permutation(self) -> np.ndarray:
         """perm[plain id] = obfuscated id. Ground truth for scoring; an attack must not read it."""
@@ -187,10 +249,15 @@ AttackFn = Callable[[AttackTarget, PrivateData, Budget, int], AttackResult]
 REGISTRY: dict[str, AttackFn] = {}
 
 
-def register(name: str, on_device: bool = False) -> Callable[[AttackFn], AttackFn]:
+NO_ENGINE = "torch: it reads weights or hidden states, which no serving engine exposes"
+
+
+def register(name: str, on_device: bool = False, uses_engine: bool = False) -> Callable[[AttackFn], AttackFn]:
     """Register ``fn(target, data, budget, seed) -> AttackResult`` under ``name`` (wall time is filled in).
     ``on_device``: the attack computes on ``target.device``; otherwise it is handed the CPU copy of a target on
-    another device. The device it ran on is recorded in ``AttackResult.budget['device']``."""
+    another device. The device it ran on is recorded in ``AttackResult.budget['device']``. ``uses_engine``: the
+    attack runs the models through ``target.engines()`` (recorded in ``budget['engine']``); any other attack
+    reads the torch models, and says so when the target's engine is another."""
 
     def deco(fn: AttackFn) -> AttackFn:
         def timed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
@@ -200,6 +267,11 @@ def register(name: str, on_device: bool = False) -> Callable[[AttackFn], AttackF
             where = target if on_device else target.on("cpu")
             res = fn(where, data, budget, seed)
             res.budget.setdefault("device", str(where.device))
+            if uses_engine:
+                res.budget.setdefault("engine", where.engine_record())
+            elif where.engine != "torch":
+                res.budget.setdefault("engine", {"engine": "torch", "engine_choice": where.engine,
+                                                 "engine_why": NO_ENGINE})
             res.budget["peak_rss_gib"] = peak_rss_gib()
             held = where.obfuscated_weights()
             if held is not None:
@@ -209,6 +281,7 @@ def register(name: str, on_device: bool = False) -> Callable[[AttackFn], AttackF
 
         timed.__doc__, timed.__name__ = fn.__doc__, fn.__name__
         timed.on_device = on_device  # type: ignore[attr-defined]
+        timed.uses_engine = uses_engine  # type: ignore[attr-defined]
         REGISTRY[name] = timed
         return timed
 

@@ -43,9 +43,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..runtime.inference import forward_cached
-from ..storage.devices import model_device
 from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_mapping
+from .engines import Engine
 
 Tensor = torch.Tensor
 
@@ -186,13 +185,12 @@ def public_text_ids(tokenizer, max_tokens: int = 200_000) -> np.ndarray:
 
 
 @torch.no_grad()
-def standardised_logits(model, seqs: Tensor, batch: int) -> Tensor:
+def standardised_logits(engine: Engine, seqs: Tensor, batch: int) -> Tensor:
     """Logits at every position of every sequence, each row centred and scaled over the vocabulary (removes
-    the log-normaliser and the temperature). (n_seqs * length, vocab) float32 on the model's device."""
-    seqs = seqs.to(model_device(model))
+    the log-normaliser and the temperature). (n_seqs * length, vocab) float32 on the engine's device."""
     rows = []
     for s in range(0, seqs.shape[0], batch):
-        z = model(input_ids=seqs[s:s + batch], use_cache=False).logits.float()
+        z = engine.logits(seqs[s:s + batch])
         z = z.reshape(-1, z.shape[-1])
         z = z - z.mean(dim=1, keepdim=True)
         rows.append(z / z.std(dim=1, keepdim=True).clamp_min(1e-6))
@@ -280,7 +278,7 @@ def match_profiles(plain_prof: Tensor, obf_prof: Tensor, pairs: Pairs, rank: int
 
 
 @torch.no_grad()
-def greedy_alignment(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor, steps: int,
+def greedy_alignment(plain: Engine, obf: Engine, pairs: Pairs, starts_plain: Tensor, steps: int,
                      min_margin: float = 1.0, max_prob_gap: float = 0.1, batch: int | None = None
                      ) -> list[tuple[int, int]]:
     """Decode both models greedily from the same known prompts (``starts_plain``, all tokens known). At each
@@ -288,12 +286,13 @@ def greedy_alignment(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor,
     ``min_margin``) and agree on how confident (top-1 probabilities within ``max_prob_gap``); the plaintext
     choice is appended to both streams (through the pairs, or the new pair), so the prefixes stay aligned. A
     sequence stops at a step that yields no trustworthy pair for an unknown token. ``batch`` sequences are
-    decoded together (None: all); the sequences do not interact, so the pairs do not depend on it."""
+    decoded together (None: the engine's own: all for torch, one for llama.cpp, which keeps one sequence's
+    prefix in its cache); the sequences do not interact, so the pairs do not depend on it."""
     found: dict[tuple[int, int], int] = {}
     n = starts_plain.shape[0]
-    for s in range(0, n, batch or max(n, 1)):
-        _greedy_chunk(plain_model, obf_model, pairs, starts_plain[s:s + (batch or n)], steps, min_margin,
-                      max_prob_gap, found)
+    batch = batch or plain.decode_batch or max(n, 1)
+    for s in range(0, n, batch):
+        _greedy_chunk(plain, obf, pairs, starts_plain[s:s + batch], steps, min_margin, max_prob_gap, found)
     # a pair is kept when neither of its ids was paired differently elsewhere
     by_o: dict[int, set] = {}
     by_t: dict[int, set] = {}
@@ -303,20 +302,19 @@ def greedy_alignment(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor,
     return sorted((o, t) for (o, t) in found if len(by_o[o]) == 1 and len(by_t[t]) == 1)
 
 
-def _greedy_chunk(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor, steps: int, min_margin: float,
+def _greedy_chunk(plain: Engine, obf: Engine, pairs: Pairs, starts_plain: Tensor, steps: int, min_margin: float,
                   max_prob_gap: float, found: dict[tuple[int, int], int]) -> None:
     """``greedy_alignment`` on one batch of sequences, adding its candidate pairs to ``found``. The models run on
-    their device; the per-step decisions read three small vectors back (one transfer per step, not per token)."""
-    dev = model_device(plain_model)
+    their engines' device; the per-step decisions read three small vectors back (one transfer per step, not per
+    token)."""
+    dev = plain.device
     p_in = starts_plain.to(dev)
     o_in = torch.from_numpy(pairs.plain_to_obf[starts_plain.numpy()]).to(dev)
     alive = [True] * starts_plain.shape[0]
-    p_past = o_past = None
+    p_dec, o_dec = plain.decoder(), obf.decoder()
     for _ in range(steps):
-        po, p_past = forward_cached(plain_model, p_in, p_past)
-        oo, o_past = forward_cached(obf_model, o_in, o_past)
-        lp = torch.log_softmax(po.logits[:, -1].float(), dim=-1).topk(2, dim=-1)
-        lo = torch.log_softmax(oo.logits[:, -1].float(), dim=-1).topk(2, dim=-1)
+        lp = torch.log_softmax(p_dec.step(p_in), dim=-1).topk(2, dim=-1)
+        lo = torch.log_softmax(o_dec.step(o_in), dim=-1).topk(2, dim=-1)
         t, o = lp.indices[:, 0], lo.indices[:, 0]
         confident = ((lp.values[:, 0] - lp.values[:, 1]) >= min_margin) & \
                     ((lo.values[:, 0] - lo.values[:, 1]) >= min_margin) & \
@@ -340,20 +338,20 @@ def _greedy_chunk(plain_model, obf_model, pairs: Pairs, starts_plain: Tensor, st
 
 
 @torch.no_grad()
-def input_side_rerank(plain_model, obf_model, pairs: Pairs, ids: np.ndarray, candidates: np.ndarray,
+def input_side_rerank(plain: Engine, obf: Engine, pairs: Pairs, ids: np.ndarray, candidates: np.ndarray,
                       out_scores: np.ndarray, contexts: Tensor, batch: int) -> np.ndarray:
     """Re-rank each id's candidates by input-side profiles: the id (or candidate) is appended to known contexts
     (``contexts``, plain ids, all known) and the next-token log-probs over the known vocabulary are compared
     (correlation) between the obfuscated model (the id) and the plaintext model (each candidate). The new choice
     maximises output-profile + input-side correlation. Returns the chosen plaintext id per ``ids``."""
-    dev = model_device(plain_model)
+    dev = plain.device
     known_obf = pairs.known_obf
     known_plain = torch.from_numpy(pairs.obf_to_plain[known_obf]).to(dev)
     known_obf_t = torch.from_numpy(known_obf).to(dev)
     ctx_o = torch.from_numpy(pairs.plain_to_obf[contexts.numpy()]).to(dev)
     contexts = contexts.to(dev)
 
-    def feats(model, ctx: Tensor, tokens: Tensor, cols: Tensor) -> Tensor:
+    def feats(engine: Engine, ctx: Tensor, tokens: Tensor, cols: Tensor) -> Tensor:
         tokens = tokens.to(dev)
         out = []
         for c in range(ctx.shape[0]):
@@ -361,15 +359,15 @@ def input_side_rerank(plain_model, obf_model, pairs: Pairs, ids: np.ndarray, can
             for s in range(0, len(tokens), batch):
                 tk = tokens[s:s + batch]
                 seq = torch.cat([ctx[c].expand(len(tk), -1), tk[:, None]], dim=1)
-                z = torch.log_softmax(model(input_ids=seq, use_cache=False).logits[:, -1].float(), dim=-1)[:, cols]
+                z = torch.log_softmax(engine.next_logits(seq), dim=-1)[:, cols]
                 z = z - z.mean(dim=1, keepdim=True)
                 rows.append(z / z.norm(dim=1, keepdim=True).clamp_min(1e-12))
             out.append(torch.cat(rows))
         return torch.cat(out, dim=1) / np.sqrt(ctx.shape[0])
 
-    f_obf = feats(obf_model, ctx_o, torch.from_numpy(ids), known_obf_t)
+    f_obf = feats(obf, ctx_o, torch.from_numpy(ids), known_obf_t)
     k = candidates.shape[1]
-    f_plain = feats(plain_model, contexts, torch.from_numpy(candidates.reshape(-1)), known_plain)
+    f_plain = feats(plain, contexts, torch.from_numpy(candidates.reshape(-1)), known_plain)
     f_plain = f_plain.reshape(len(ids), k, -1)
     inp = (f_plain * f_obf[:, None, :]).sum(-1).cpu().numpy()
     total = inp + out_scores
@@ -387,7 +385,7 @@ class BehaviouralOutcome:
     info: dict[str, Any]
 
 
-def behavioural_mapping(plain_model, obf_model, pairs: Pairs, cfg: dict[str, Any], seed: int,
+def behavioural_mapping(plain: Engine, obf: Engine, pairs: Pairs, cfg: dict[str, Any], seed: int,
                         prefix: Sequence[int] = (), chat_prompt: tuple[Sequence[int], Sequence[int]] | None = None,
                         text_ids: np.ndarray | None = None, rerank_ids: np.ndarray | None = None,
                         truth: np.ndarray | None = None, log: Callable[[str], None] | None = None
@@ -415,7 +413,7 @@ def behavioural_mapping(plain_model, obf_model, pairs: Pairs, cfg: dict[str, Any
         known_plain = np.flatnonzero(pairs.plain_to_obf >= 0)
         starts = np.stack([np.concatenate([np.asarray(pre, dtype=np.int64), rng.choice(known_plain, size=3),
                                            np.asarray(post, dtype=np.int64)]) for _ in range(cfg["gen_seqs"])])
-        got = greedy_alignment(plain_model, obf_model, pairs, torch.from_numpy(starts), cfg["gen_steps"],
+        got = greedy_alignment(plain, obf, pairs, torch.from_numpy(starts), cfg["gen_steps"],
                                batch=cfg.get("gen_batch"))
         pairs.add_many([o for o, _ in got], [t for _, t in got], "generation")
         note("generation alignment", harvested=len(got))
@@ -423,8 +421,8 @@ def behavioural_mapping(plain_model, obf_model, pairs: Pairs, cfg: dict[str, Any
     matches = None
     for r, n_seq in enumerate(cfg["round_seqs"]):
         plain_seqs, obf_seqs = random_contexts(pairs, n_seq, cfg["length"], rng, text_ids)
-        plain_prof = standardised_logits(plain_model, plain_seqs, cfg["batch"])
-        obf_prof = standardised_logits(obf_model, obf_seqs, cfg["batch"])
+        plain_prof = standardised_logits(plain, plain_seqs, cfg["batch"])
+        obf_prof = standardised_logits(obf, obf_seqs, cfg["batch"])
         matches = match_profiles(plain_prof, obf_prof, pairs, cfg["rank"], cfg["basis_columns"], rng,
                                  k=max(cfg["rerank_k"], 2))
         del plain_prof, obf_prof
@@ -463,7 +461,7 @@ def behavioural_mapping(plain_model, obf_model, pairs: Pairs, cfg: dict[str, Any
         if len(unsure):
             ctx_plain, _ = random_contexts(pairs, cfg["rerank_contexts"], len(prefix) + 1, rng, text_ids, prefix)
             k = cfg["rerank_k"]
-            chosen = input_side_rerank(plain_model, obf_model, pairs, unsure, matches.topk[unsure, :k],
+            chosen = input_side_rerank(plain, obf, pairs, unsure, matches.topk[unsure, :k],
                                        matches.topk_score[unsure, :k], ctx_plain,
                                        cfg.get("rerank_batch") or cfg["batch"] * 8)
             before = mapping[unsure].copy()
@@ -481,7 +479,7 @@ def attacker_view(target: AttackTarget, data: PrivateData, template: tuple[Seque
                   ) -> tuple[Pairs, dict[str, Any]]:
     """The anchors the server gets for free: template pairs from the observed requests and the published special
     ids. ``template`` overrides the tokenizer's chat template (tiny test models have none)."""
-    v = int(target.plain_model.config.vocab_size)
+    v = target.vocab_size
     pairs = Pairs(v)
     info: dict[str, Any] = {}
     if template is None and has_tokenizer(target) and getattr(target.tokenizer, "chat_template", None):
@@ -491,7 +489,7 @@ def attacker_view(target: AttackTarget, data: PrivateData, template: tuple[Seque
         observed = [target.obfuscate_ids(r) for r in requests]  # victim side: what the server receives
         found = template_anchors(template[0], template[1], observed)
         info["template_positions_paired"] = pairs.add_many([o for o, _ in found], [p for _, p in found], "template")
-    specials = published_special_anchors(target.plain_model.config, target.obfuscated_dir)
+    specials = published_special_anchors(target.plain_config, target.obfuscated_dir)
     info["special_pairs"] = pairs.add_many([o for o, _ in specials], [p for _, p in specials], "special")
     return pairs, {**info, "template": [list(template[0]), list(template[1])] if template else None}
 
@@ -504,10 +502,15 @@ def run_behavioural(target: AttackTarget, data: PrivateData, budget: Budget, see
     cfg = {**BEHAVIOURAL_BUDGETS.get(budget.name, BEHAVIOURAL_BUDGETS["full"]), **(config or {})}
     if budget.batch is not None:  # one probe batch for every stage (the stages' own defaults differ)
         cfg.update(batch=budget.batch, gen_batch=budget.batch, rerank_batch=budget.batch)
-    plain, obf = target.plain_model, target.obf_model
-    v = int(plain.config.vocab_size)
-    if int(obf.config.vocab_size) != v:
-        raise ValueError(f"vocabulary sizes differ: plain {v}, obfuscated {int(obf.config.vocab_size)}")
+    v = target.vocab_size
+    obf_vocab = int(json.loads((target.obfuscated_dir / "config.json").read_text())["vocab_size"]) \
+        if (target.obfuscated_dir / "config.json").is_file() else int(target.obf_model.config.vocab_size)
+    if obf_vocab != v:
+        raise ValueError(f"vocabulary sizes differ: plain {v}, obfuscated {obf_vocab}")
+    plain, obf = target.engines()
+    if plain.vocab_size != v or obf.vocab_size != v:
+        raise ValueError(f"the {plain.describe()} engine gives {plain.vocab_size} / {obf.vocab_size} logits per row, "
+                         f"the models have {v} tokens")
     pairs, info = attacker_view(target, data, template)
     if extra_pairs:
         info["extra_pairs"] = pairs.add_many([o for o, _ in extra_pairs], [p for _, p in extra_pairs],
@@ -536,10 +539,11 @@ def run_behavioural(target: AttackTarget, data: PrivateData, budget: Budget, see
         budget={"budget": budget.name, "candidate_pool": v, "candidate_pool_is_full_vocabulary": True,
                 **{k: (list(x) if isinstance(x, tuple) else x) for k, x in cfg.items()},
                 "anchors": {k: x for k, x in info.items() if k != "template"}, **out.info,
-                "threads": torch.get_num_threads(), "device": str(target.device)},
+                "threads": torch.get_num_threads(), "device": str(plain.device), "engine": target.engine_record()},
         uses="public plaintext model + tokenizer/chat template + public text (stdlib sources); the obfuscated model "
              "run as a black box (logits) and its published config special ids; the observed requests' template "
-             "positions; no key, no weights compared" + (f"; plus {extra_source} pairs" if extra_source else ""))
+             f"positions; both models on {plain.describe()}; no key, no weights compared"
+             + (f"; plus {extra_source} pairs" if extra_source else ""))
     return res, out
 
 
@@ -569,17 +573,17 @@ def vma_confident_pairs(target: AttackTarget, vma_budget: str, seed: int, sample
 
 
 def ridge_refine(target: AttackTarget, outcome: BehaviouralOutcome, lam_rel: float = 1e-2,
-                 query_ids: np.ndarray | None = None) -> np.ndarray:
+                 query_ids: np.ndarray | None = None, spaces=None) -> np.ndarray:
     """Behavioural mutual pairs -> ridge map between obfuscated and plaintext embedding/head rows (frequency.py);
     ids that were not confident take the ridge's nearest plaintext row when it is still free. ``query_ids``: only
     these ids are re-ranked (None: every unsure id). Each id's new guess depends only on its own candidates and
     the confident pairs, so re-ranking the ids the server observed gives their guesses unchanged, at a fraction
     of the cost: every unsure id is a (vocabulary x vocabulary x width) product, 20 min on 2 cores at a 150k
-    vocabulary."""
+    vocabulary. ``spaces``: the rows (``frequency.row_spaces``) when already taken."""
     from .frequency import ridge_map, row_spaces
 
     conf = np.flatnonzero(outcome.confident)
-    spaces = row_spaces(target)
+    spaces = spaces if spaces is not None else row_spaces(target)
     unsure = np.flatnonzero(~outcome.confident)
     if query_ids is not None:
         unsure = np.intersect1d(unsure, np.asarray(query_ids, dtype=np.int64))
@@ -612,12 +616,20 @@ def run_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: 
     # need to be right, not many (the behavioural stage does the rest)
     sample = vma_sample or {"ci": 256, "small": 4096}.get(budget.name, 8192)
     vma_pairs = vma_confident_pairs(target, "ci", seed, sample)
+    spaces = None
+    if target.engine != "torch":
+        # the weights the ridge needs (embedding and head rows) are taken now, and the torch models are freed
+        # before the engine loads: the models are held once, by the engine
+        from .frequency import row_spaces
+
+        spaces = row_spaces(target)
+        target.release(models=True, engines=False)
     t_vma = time.perf_counter() - t0
     res, out = run_behavioural(target, data, budget, seed, extra_pairs=vma_pairs, extra_source="vma", log=log,
                                name="behavioural-composed", config=config)
     t1 = time.perf_counter()
     observed = np.unique(np.concatenate([np.asarray(o, dtype=np.int64) for o in data.observed(target)]))
-    mapping = ridge_refine(target, out, query_ids=observed if ridge_ids == "observed" else None)
+    mapping = ridge_refine(target, out, query_ids=observed if ridge_ids == "observed" else None, spaces=spaces)
     t_ridge = time.perf_counter() - t1
     truth = np.argsort(target.true_permutation())  # scoring only
     scores = score_mapping(target, data, mapping, text_metrics=has_tokenizer(target))
@@ -634,13 +646,13 @@ def run_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: 
     return res
 
 
-@register("behavioural", on_device=True)
+@register("behavioural", on_device=True, uses_engine=True)
 def behavioural(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """Run both models: template/special-id anchors -> greedy alignment -> output-profile matching -> input-side."""
     return run_behavioural(target, data, budget, seed)[0]
 
 
-@register("behavioural-composed", on_device=True)
+@register("behavioural-composed", on_device=True, uses_engine=True)
 def behavioural_composed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """VMA's unanimous pairs as extra anchors -> behavioural -> ridge map on the behavioural pairs."""
     return run_composed(target, data, budget, seed)

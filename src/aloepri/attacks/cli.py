@@ -44,10 +44,19 @@ def cmd_attack(args: argparse.Namespace) -> int:
     from ..models import resolve_model
 
     args.plain = resolve_model(args.plain)  # a bundled model's name or a path
-    target = AttackTarget(args.plain, args.obfuscated, args.key, device=args.device)
+    from ..storage.devices import resolve_device
+    from .engines import choose_engine
+
+    if not (Path(args.obfuscated) / "config.json").is_file():
+        raise ValueError(f"obfuscated model {args.obfuscated} not found (no config.json); give the directory "
+                         "`aloepri obfuscate` wrote")
+    engine = choose_engine(args.engine, args.obfuscated, resolve_device(args.device))
+    target = AttackTarget(args.plain, args.obfuscated, args.key, device=args.device, engine=engine.name,
+                          engine_why=engine.why, threads=budget.threads)
     context: dict[str, Any] = {"plain": str(args.plain), "obfuscated": str(args.obfuscated), "budget": args.budget,
                                "prompts": args.prompts, "seed": args.seed, "attacks": names,
-                               "device": describe_device(target.device), "batch": args.batch}
+                               "device": describe_device(target.device), "batch": args.batch,
+                               "engine": engine.name, "engine_why": engine.why}
     if args.ablation:
         from ..obfuscation.params import ObfuscationParams, resolve_params
 
@@ -61,7 +70,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
         context["params"] = target.key.params
         # what the figures depend on: a report in --report-dir with the same run is resumed
         context["run"] = {k: context[k] for k in ("plain", "obfuscated", "budget", "prompts", "seed", "device",
-                                                   "batch")} | {"model_fingerprint": target.key.model_fingerprint}
+                                                   "batch", "engine")} | {"model_fingerprint": target.key.model_fingerprint}
         j, m = run_suite(target, data, names, budget, out, context, args.seed, progress=not args.quiet)
     print(f"wrote {j} and {m}")
     return 0
@@ -99,6 +108,9 @@ def add_attack_commands(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_device_option(p)
+    from .engines import AUTO, CHOICES, ENGINE_HELP
+
+    p.add_argument("--engine", default=AUTO, choices=CHOICES, help=ENGINE_HELP)
     p.add_argument("--batch", type=int, default=None,
                    help="probe sequences per forward pass for the attacks that run both models on many inputs "
                         "(behavioural); default: each stage's own (16 for output profiles); raise it on a GPU")

@@ -13,9 +13,11 @@ def cmd_audit(a: argparse.Namespace) -> int:
     command = shlex.join(["aloepri", "audit", str(a.plain), "--obfuscated", str(a.obfuscated), "--key", str(a.key),
                           "--budget", a.budget, "--out", str(a.out), "--seed", str(a.seed), "--threads", str(a.threads)]
                          + (["--prompts", str(a.prompts)] if a.prompts is not None else [])
-                         + (["--all-attacks"] if a.all_attacks else []))
+                         + (["--all-attacks"] if a.all_attacks else [])
+                         + ["--engine", a.engine] + (["--device", str(a.device)] if a.device not in (None, "cpu") else []))
     rep = run_audit(a.plain, a.obfuscated, a.key, a.budget, a.out, a.prompts, a.seed, a.threads,
-                    progress=not a.quiet, command=command, all_attacks=a.all_attacks,
+                    progress=not a.quiet, command=command, all_attacks=a.all_attacks, engine=a.engine,
+                    device=a.device or "cpu",
                     log=None if a.quiet else (lambda m: print(m, file=sys.stderr)))
     print(rep.verdict["headline"])
     for key in ("provider", "id_stream"):
@@ -43,5 +45,10 @@ def add_audit_commands(sub: Any) -> None:
     p.add_argument("--all-attacks", action="store_true",
                    help="run every planned attack, also those that cannot change the verdict (an observer already "
                         "at 100%%)")
+    from ..attacks.engines import AUTO, CHOICES, ENGINE_HELP
+    from ..storage.devices import add_device_option
+
+    p.add_argument("--engine", default=AUTO, choices=CHOICES, help=ENGINE_HELP)
+    add_device_option(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_audit)

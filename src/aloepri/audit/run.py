@@ -55,6 +55,8 @@ class AuditInputs:
     prompts: int
     seed: int
     threads: int
+    engine: str = "torch"  # aloepri.attacks.engines.ENGINES
+    engine_why: str = ""
 
 
 @dataclass
@@ -74,7 +76,8 @@ class AuditReport:
 
 
 def validate_inputs(plain: str | Path, obfuscated: str | Path, key: str | Path, budget: str, out: str | Path,
-                    prompts: int | None = None, seed: int = 0, threads: int = 1) -> AuditInputs:
+                    prompts: int | None = None, seed: int = 0, threads: int = 1, engine: str = "torch",
+                    device: str = "cpu") -> AuditInputs:
     """Every check of the audit's inputs, before any model loads; raises AuditInputError with one line."""
     if budget not in plan_mod.BUDGETS:
         raise AuditInputError(f"unknown budget {budget!r}; choose one of {', '.join(plan_mod.BUDGETS)}")
@@ -118,8 +121,16 @@ def validate_inputs(plain: str | Path, obfuscated: str | Path, key: str | Path, 
 
     if importlib.util.find_spec("faker") is None:
         raise AuditInputError("the audit's private prompts need Faker: pip install 'aloepri[attacks]'")
+    from ..attacks.engines import EngineError, choose_engine
+    from ..storage.devices import resolve_device
+
+    try:
+        choice = choose_engine(engine, obfuscated, resolve_device(device))
+    except EngineError as e:
+        raise AuditInputError(str(e)) from None
     return AuditInputs(plain, obfuscated, key_path, key_obj, budget, out,
-                       prompts if prompts is not None else DEFAULT_PROMPTS[budget], seed, threads)
+                       prompts if prompts is not None else DEFAULT_PROMPTS[budget], seed, threads, choice.name,
+                       choice.why)
 
 
 # --- facts about the environment ---------------------------------------------------------------------------------
@@ -199,19 +210,48 @@ def private_prompts(target, n: int, seed: int, has_tok: bool):
 
 
 def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[str, Any]:
-    from ..eval.fidelity import builtin_prompt_ids, compare, fidelity_report
+    """Prompt fidelity (and, with a tokenizer at small / full, corpus top-1, KL and perplexity), holding one model at
+    a time as ``aloepri eval fidelity`` does: the plaintext model's logits and greedy continuations are taken (the
+    logits kept in a temporary directory), that model is freed, then the obfuscated one runs. On the target's
+    engine: torch (float32, the reference) or llama.cpp (both models at the engine's type; the figures then
+    include what that quantization costs the obfuscated model against the plaintext one at the same type)."""
+    import tempfile
+
+    from ..attacks.engines import TORCH, EngineAsModel, LlamaCppEngine, engine_files
+    from ..eval.fidelity import ReportReferences, release_memory, report_texts, report_with_references
 
     n_prompts, greedy, corpus_n = FIDELITY_BUDGETS[budget]
     tok = target.tokenizer if has_tok else None
     t0 = time.perf_counter()
-    if corpus_n and tok is not None:  # prompt metrics plus perplexity on public text
-        rep = fidelity_report(target.plain_model, target.obf_model, key, tok, prompts=n_prompts,
-                              greedy_tokens=greedy, corpus_texts_n=corpus_n)
+    texts = report_texts(key, tok, n_prompts, None, corpus_n if tok is not None else 0)
+    threads = target.threads or 1
+    if target.engine == TORCH:
+        dev, where = target.device, f"torch {str(target.dtype).replace('torch.', '')} on {target.device}"
+        load_plain, load_obf = (lambda: target.plain_model), (lambda: target.obf_model)
     else:
-        prompt_ids = builtin_prompt_ids(tok, key.vocab_size, n_prompts)
-        rep = {"prompts": compare(target.plain_model, target.obf_model, key, prompt_ids, greedy).to_dict()}
+        plain_path, obf_path, precision = engine_files(target.engine, target.plain_src, target.obfuscated_dir)
+        dev, where = "cpu", f"llama.cpp {precision}, both models"
+        load_plain = lambda: EngineAsModel(LlamaCppEngine(plain_path, precision, threads))  # noqa: E731
+        load_obf = lambda: EngineAsModel(LlamaCppEngine(obf_path, precision, threads))  # noqa: E731
+    target.release()
+    with tempfile.TemporaryDirectory(prefix="aloepri-audit-reference-") as spill:
+        plain = load_plain()
+        references = ReportReferences(plain, key, tok, greedy_tokens=greedy, device=dev, spill_dir=spill,
+                                      texts=texts)
+        if isinstance(plain, EngineAsModel):
+            plain.engine.close()
+        del plain
+        target.release()
+        release_memory()
+        obf = load_obf()
+        rep = report_with_references(references, obf, key, dev)
+        if isinstance(obf, EngineAsModel):
+            obf.engine.close()
+        del obf
+        target.release()
     return {"status": RAN, **rep["prompts"], **({"corpus": rep["corpus"]} if "corpus" in rep else {}),
             "prompt_kind": "built-in chat prompts" if tok is not None else "random ids",
+            "engine": where, "models_held": "one at a time",
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -281,14 +321,18 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
               out: str | Path = "audit-report", prompts: int | None = None, seed: int = 0, threads: int = 1,
               progress: bool = True, plan: tuple[plan_mod.PlannedAttack, ...] | None = None,
               command: str | None = None, log: Callable[[str], None] | None = None,
-              all_attacks: bool = False) -> "AuditReport":
+              all_attacks: bool = False, engine: str = "torch", device: str = "cpu") -> "AuditReport":
     """Audit one obfuscated deployment: fidelity and the planned attacks within ``budget``, then report.json and
     report.html in ``out`` (each written atomically). ``plan`` replaces the attack plan (tests).
 
     An attack is not run when every observer it counts against already has a figure of 100% (``decided_by``):
     no attack can raise it, so the verdict is the one running it would give; the report lists it as not run,
-    with the reason. ``all_attacks`` runs it anyway (the full table)."""
-    inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads)  # before any model loads
+    with the reason. ``all_attacks`` runs it anyway (the full table).
+
+    ``engine`` (aloepri.attacks.engines.CHOICES; ``auto`` picks one from the model's size and the hardware): how
+    the fidelity step and the attacks that run the models run them; the report records which and why. Each step
+    loads what it needs and frees it before the next, so the audit's peak is its largest step's."""
+    inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads, engine, device)
 
     import torch
 
@@ -297,7 +341,8 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
 
     started = time.time()
     torch.set_num_threads(inp.threads)
-    target = AttackTarget(inp.plain, inp.obfuscated, inp.key)
+    target = AttackTarget(inp.plain, inp.obfuscated, inp.key, device=device, engine=inp.engine,
+                          engine_why=inp.engine_why, threads=inp.threads)
     if target.vocab_size != inp.key.vocab_size:  # (a .gguf PLAIN is only readable once loaded)
         raise AuditInputError(f"the plaintext model {inp.plain} has {target.vocab_size} tokens but the key has "
                               f"{inp.key.vocab_size}: give the model that was obfuscated")
@@ -345,6 +390,9 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
             "private_prompts": prompt_info,
             "inputs": {"plain": str(inp.plain), "obfuscated": str(inp.obfuscated), "key": str(inp.key_path)},
             "budget": inp.budget, "seed": inp.seed, "threads": inp.threads,
+            "engine": {"name": inp.engine, "why": inp.engine_why,
+                       "note": "the fidelity step and the attacks that run the models (behavioural) use it; the "
+                               "attacks that read weights or hidden states run on torch"},
             "excluded_attacks": "oracle variants (ridge-k*, ima_oracle, routing_leak_oracle) read the key beyond "
                                 "scoring, outside the threat model; an audit does not run them",
             "command": command,
@@ -360,7 +408,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
         try:
             reset_peak_rss()
             fidelity = measure_fidelity(target, inp.key, inp.budget, has_tok)
-            fidelity["peak_rss_gib"] = peak_rss_gib()  # both models loaded: the audit's floor
+            fidelity["peak_rss_gib"] = peak_rss_gib()  # one model at a time
         except Exception as err:  # noqa: BLE001 - reported; the attacks still run
             fidelity = {"status": FAILED, "error": " ".join(f"{type(err).__name__}: {err}".split())}
         write_report(report(False), inp.out)
@@ -373,6 +421,11 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
                                        "reason": f"not needed: {decided} (--all-attacks runs it)"}
             else:
                 r = results[p.name] = run_planned(p, target, data, attack_budget, inp.seed)
+                # what the next attack does not use is freed: the engine after the attacks that run the
+                # models, the torch models before them when the engine is another
+                nxt = next((q for q in to_run[to_run.index(p) + 1:]), None)
+                nxt_engine = nxt is not None and getattr(REGISTRY.get(nxt.name), "uses_engine", False)
+                target.release(models=nxt_engine and inp.engine != "torch", engines=not nxt_engine)
             write_report(report(False), inp.out)
             bar.advance()
             if log:

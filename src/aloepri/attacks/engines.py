@@ -1,0 +1,408 @@
+"""The attacker's engines: how an attack that runs the models gets their outputs.
+
+The provider an audit models does not hold two float32 models in a Python process: it runs both on its serving
+engine, quantized, batched, on the hardware it has. Every attack that runs the models (not one that reads their
+weights) asks for what it needs through one small interface, ``Engine``:
+
+- ``logits(seqs)``: next-token logits at every position of a batch of equal-length token sequences, (n, L, V);
+- ``next_logits(seqs)``: the same at the last position only, (n, V);
+- ``decoder(starts)``: a greedy-decoding session that is fed tokens and returns the last position's logits.
+
+Logits are log-probabilities up to a constant per row: the attacks standardise or log-softmax every row, so an
+engine that returns log-probabilities (vLLM) is read the same way. ``hidden_states`` says whether the engine
+exposes intermediate hidden states; an attack that needs them (the state inversions, IMA) or attention scores, or
+the weights themselves (VMA, the invariant attacks, the ridge), stays on torch, and its result says so.
+
+Engines (``ENGINES``; both models of a target always run on the same engine at the same precision, as a provider
+serves them):
+
+- ``torch``: both models in process (float32 compute), on ``--device``: today's path, the reference, and with
+  ``--device cuda`` the GPU path.
+- ``llamacpp-q8_0``, ``llamacpp-q4_k_m``: llama.cpp through llama-cpp-python, full logits (``logits_all``), each
+  model as a GGUF file at that type. The obfuscated directory is exported by ``aloepri export-gguf``; the
+  plaintext model, when it is a .gguf file, is requantized by llama.cpp's own quantizer, else its float32 weights
+  (``plaintext_reference_dir``) are exported the same way. An output whose rows cannot be cut into 32-value
+  blocks (an expansion such as ``paper`` on the Qwen models) is served at f16, and both models then are. The files
+  are cached under ``ALOEPRI_CACHE/engines`` by the identity of their source.
+
+``choose_engine`` picks the default (``auto``) from the model's size and the hardware, and says why.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+
+AUTO = "auto"
+TORCH = "torch"
+LLAMACPP_TYPES = ("q8_0", "q4_k_m")
+ENGINES = (TORCH,) + tuple(f"llamacpp-{q}" for q in LLAMACPP_TYPES)
+CHOICES = (AUTO,) + ENGINES
+# auto: from this many parameters up, a CPU attacker runs llama.cpp (below it torch is fast enough and exact)
+AUTO_LLAMACPP_PARAMS = 1.0e9
+ENGINE_HELP = ("how the attacks that run the models run them (both models alike): torch (in process, float32; "
+               "the reference, and the GPU path with --device cuda), llamacpp-q8_0 or llamacpp-q4_k_m (llama.cpp "
+               "on a GGUF of each model at that type, as a provider serves them), or auto (default: torch on a GPU "
+               f"or below {AUTO_LLAMACPP_PARAMS / 1e9:.0f}B parameters, else llama.cpp q8_0 when installed). "
+               "Attacks that read weights or hidden states run on torch whatever the engine")
+
+
+class EngineError(ValueError):
+    """An engine that cannot run here (not installed, an unsupported model): one actionable line."""
+
+
+class Engine:
+    """One model behind an engine. Subclasses implement ``logits``; the rest has generic forms."""
+
+    name = "engine"
+    precision = ""
+    hidden_states = False  # exposes intermediate hidden states
+    decode_batch: int | None = None  # sequences a greedy decoder advances together (None: all)
+    vocab_size: int = 0
+    device = torch.device("cpu")  # where returned tensors live
+
+    def logits(self, seqs: Tensor) -> Tensor:
+        """(n, L) token ids -> (n, L, V) float32 logits; row j predicts the token after position j."""
+        raise NotImplementedError
+
+    def next_logits(self, seqs: Tensor) -> Tensor:
+        """(n, L) -> (n, V): the logits after the last position."""
+        return self.logits(seqs)[:, -1]
+
+    def decoder(self) -> "Decoder":
+        return Decoder(self)
+
+    def describe(self) -> str:
+        return f"{self.name} {self.precision}".strip()
+
+    def close(self) -> None:
+        pass
+
+
+class Decoder:
+    """Greedy decoding, the generic form: ``step(tokens)`` appends (n, k) tokens to each of n sequences and returns
+    the logits after the last one, (n, V). Engines with a cache of their own (torch's KV cache, llama.cpp's prefix
+    reuse) make each step cost the new tokens only."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.seqs = engine, None
+
+    def step(self, tokens: Tensor) -> Tensor:
+        tokens = tokens.cpu()
+        self.seqs = tokens if self.seqs is None else torch.cat([self.seqs, tokens], dim=1)
+        return self.engine.next_logits(self.seqs)
+
+
+class TorchEngine(Engine):
+    """A transformers model in this process (the reference). Tensors come back on the model's device."""
+
+    name = TORCH
+    hidden_states = True
+
+    def __init__(self, model):
+        from ..storage.devices import model_device
+
+        self.model = model
+        self.device = model_device(model)
+        self.vocab_size = int(model.config.vocab_size)
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+        self.precision = "/".join(dtypes) if len(dtypes) > 1 else dtypes[0]
+        if self.device.type != "cpu":
+            self.precision += f" on {self.device}"
+
+    @torch.no_grad()
+    def logits(self, seqs: Tensor) -> Tensor:
+        return self.model(input_ids=seqs.to(self.device), use_cache=False).logits.float()
+
+    @torch.no_grad()
+    def next_logits(self, seqs: Tensor) -> Tensor:
+        return self.model(input_ids=seqs.to(self.device), use_cache=False).logits[:, -1].float()
+
+    def decoder(self) -> "Decoder":
+        return _TorchDecoder(self)
+
+
+class _TorchDecoder(Decoder):
+    def __init__(self, engine: TorchEngine):
+        super().__init__(engine)
+        self.past = None
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        from ..runtime.inference import forward_cached
+
+        out, self.past = forward_cached(self.engine.model, tokens.to(self.engine.device), self.past)
+        return out.logits[:, -1].float()
+
+
+class LlamaCppEngine(Engine):
+    """A GGUF file on llama.cpp (llama-cpp-python, full logits at every position). One sequence is evaluated at a
+    time; the longest prefix it shares with the previous one stays in llama.cpp's KV cache and is not evaluated
+    again (greedy decoding and the input-side probes share long prefixes)."""
+
+    name = "llamacpp"
+    decode_batch = 1
+
+    def __init__(self, path: str | Path, precision: str, threads: int = 1, n_ctx: int = 512):
+        llama_cpp = _llama_cpp()
+        self.path, self.precision, self.n_ctx = Path(path), precision, n_ctx
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=True, verbose=False)
+        self.vocab_size = int(self.llm.n_vocab())
+
+    def _eval(self, seq: list[int]) -> np.ndarray:
+        """Logits after every position of ``seq`` (a view of llama.cpp's buffer: copy before the next call)."""
+        if len(seq) > self.n_ctx:
+            raise EngineError(f"a sequence of {len(seq)} tokens exceeds the llama.cpp context of {self.n_ctx}")
+        llm = self.llm
+        n = llm.n_tokens
+        common = 0
+        held = llm.input_ids[:n]
+        limit = min(n, len(seq) - 1)  # at least one token is evaluated (its row is written afresh)
+        while common < limit and held[common] == seq[common]:
+            common += 1
+        llm.n_tokens = common  # eval drops the KV cache from here on
+        llm.eval(seq[common:])
+        return llm.scores[:len(seq)]
+
+    def logits(self, seqs: Tensor) -> Tensor:
+        rows = [torch.from_numpy(np.array(self._eval(s), dtype=np.float32)) for s in seqs.cpu().tolist()]
+        return torch.stack(rows)
+
+    def next_logits(self, seqs: Tensor) -> Tensor:
+        rows = [torch.from_numpy(np.array(self._eval(s)[-1], dtype=np.float32)) for s in seqs.cpu().tolist()]
+        return torch.stack(rows)
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None and hasattr(llm, "close"):
+            llm.close()
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise EngineError("the llama.cpp engine needs llama-cpp-python: pip install 'aloepri[llamacpp]'") from None
+    return llama_cpp
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+# --- GGUF files for the llama.cpp engine ---------------------------------------------------------------------------
+
+
+def engines_cache() -> Path:
+    from ..models import cache_dir
+
+    return cache_dir() / "engines"
+
+
+def _identity(path: Path) -> dict[str, Any]:
+    """What a GGUF made from ``path`` depends on: the files' paths, sizes and modification times."""
+    path = path.resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return {"path": str(path), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+def _cached(kind: str, src: Path, qtype: str) -> Path:
+    digest = hashlib.sha256(json.dumps([kind, _identity(src), qtype], sort_keys=True).encode()).hexdigest()[:20]
+    return engines_cache() / f"{src.stem if src.is_file() else src.name}-{kind}-{qtype}-{digest}.gguf"
+
+
+def served_type(obfuscated_dir: Path, qtype: str) -> str:
+    """``qtype``, or f16 where the obfuscated rows cannot be cut into 32-value blocks (an expansion that the head
+    count raised: ``paper`` on Qwen2.5-Coder gives d + 2h = 1800)."""
+    if qtype in ("f32", "f16"):
+        return qtype
+    cfg = json.loads((Path(obfuscated_dir) / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    rows = (cfg["hidden_size"], cfg["intermediate_size"], heads * cfg.get("head_dim", cfg["hidden_size"] // heads))
+    return qtype if all(int(r) % 32 == 0 for r in rows) else "f16"
+
+
+# llama.cpp's file types for requantizing a plaintext GGUF
+_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "f16": "LLAMA_FTYPE_MOSTLY_F16",
+           "f32": "LLAMA_FTYPE_ALL_F32"}
+
+
+def obfuscated_gguf(obfuscated_dir: str | Path, qtype: str) -> Path:
+    from ..export.gguf import export_gguf
+
+    src = Path(obfuscated_dir)
+    out = _cached("obfuscated", src, qtype)
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        export_gguf(src, out, qtype)
+    return out
+
+
+def plaintext_gguf(plain_src: str | Path, qtype: str) -> Path:
+    """The plaintext model at ``qtype``: a .gguf source requantized by llama.cpp (tensor by tensor); a Hugging Face
+    directory through its float32 reference and ``export_gguf``, as the obfuscated model is exported."""
+    src = Path(plain_src)
+    out = _cached("plaintext", src, qtype)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_file():
+        llama_cpp = _llama_cpp()
+        from ..storage.staging import make_staging_file
+
+        fd, tmp = make_staging_file(out, ".partial")
+        os.close(fd)
+        try:
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, _FTYPES[qtype])
+            params.allow_requantize = True
+            params.nthread = max(1, torch.get_num_threads())
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+            if rc != 0:
+                raise EngineError(f"llama.cpp could not requantize {src} to {qtype} (return code {rc})")
+            os.replace(tmp, out)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return out
+    import tempfile
+
+    from ..export.gguf import export_gguf, plaintext_reference_dir
+
+    with tempfile.TemporaryDirectory(prefix="aloepri-plain-ref-", dir=out.parent) as work:
+        export_gguf(plaintext_reference_dir(src, Path(work) / "ref"), out, qtype)
+    return out
+
+
+# --- a target's pair of engines, and the default ------------------------------------------------------------------
+
+
+@dataclass
+class EngineChoice:
+    name: str  # one of ENGINES
+    why: str
+
+
+def parameter_count(obfuscated_dir: str | Path) -> float:
+    """The obfuscated model's parameter count, from its config (no weight read)."""
+    cfg = json.loads((Path(obfuscated_dir) / "config.json").read_text())
+    d, v, n = int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_hidden_layers"])
+    f = int(cfg.get("intermediate_size") or 4 * d)
+    heads = int(cfg["num_attention_heads"])
+    hd = int(cfg.get("head_dim") or d // heads)
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    per_layer = d * hd * (2 * heads + 2 * kv) + 3 * d * f
+    return float(n * per_layer + v * d * (1 if cfg.get("tie_word_embeddings") else 2))
+
+
+def choose_engine(requested: str, obfuscated_dir: str | Path, device: torch.device) -> EngineChoice:
+    """``requested`` (one of CHOICES) -> the engine to run and why (``auto``: from the size and the hardware)."""
+    if requested not in CHOICES:
+        raise EngineError(f"unknown engine {requested!r}; choose one of {', '.join(CHOICES)}")
+    if requested != AUTO:
+        if requested.startswith("llamacpp"):
+            if device.type != "cpu":
+                raise EngineError(f"--engine {requested} runs llama.cpp's CPU build; use --device cpu, or "
+                                  "--engine torch on the GPU")
+            if not llama_cpp_available():
+                raise EngineError(f"--engine {requested} needs llama-cpp-python: pip install 'aloepri[llamacpp]'")
+        return EngineChoice(requested, "asked for (--engine)")
+    n = parameter_count(obfuscated_dir)
+    size = f"{n / 1e9:.2f}B parameters"
+    if device.type != "cpu":
+        return EngineChoice(TORCH, f"auto: a {device.type} device: torch on it (the GPU path)")
+    if n < AUTO_LLAMACPP_PARAMS:
+        return EngineChoice(TORCH, f"auto: {size}, below {AUTO_LLAMACPP_PARAMS / 1e9:.0f}B: torch float32 on the "
+                                   "CPU (exact, and fast enough)")
+    if not llama_cpp_available():
+        return EngineChoice(TORCH, f"auto: {size} on the CPU; llama.cpp would be lighter but llama-cpp-python is not "
+                                   "installed (pip install 'aloepri[llamacpp]'): torch")
+    return EngineChoice("llamacpp-q8_0", f"auto: {size} on the CPU: llama.cpp q8_0 for both models (a provider's "
+                                         "engine; two float32 models would take "
+                                         f"{2 * 4 * n / 2**30:.1f} GiB)")
+
+
+def engine_files(choice: str, plain_src: str | Path, obfuscated_dir: str | Path) -> tuple[Path, Path, str]:
+    """(plaintext GGUF, obfuscated GGUF, precision in words) of a llama.cpp engine, made once and cached."""
+    if not choice.startswith("llamacpp-") or choice.split("-", 1)[1] not in LLAMACPP_TYPES:
+        raise EngineError(f"unknown engine {choice!r}; choose one of {', '.join(CHOICES)}")
+    _llama_cpp()
+    qtype = served_type(Path(obfuscated_dir), choice.split("-", 1)[1])
+    precision = qtype if qtype == choice.split("-", 1)[1] else \
+        f"{qtype} (the obfuscated rows are not multiples of 32: both models at {qtype})"
+    return plaintext_gguf(plain_src, qtype), obfuscated_gguf(obfuscated_dir, qtype), precision
+
+
+def open_engines(choice: str, plain_src: str | Path, obfuscated_dir: str | Path, plain_model=None, obf_model=None,
+                 threads: int = 1, n_ctx: int = 512) -> tuple[Engine, Engine]:
+    """(plaintext engine, obfuscated engine) of ``choice``. ``torch`` wraps the models given (loaded by the
+    caller); llama.cpp makes or reuses the GGUF files, then loads both."""
+    if choice == TORCH:
+        return TorchEngine(plain_model), TorchEngine(obf_model)
+    plain_path, obf_path, precision = engine_files(choice, plain_src, obfuscated_dir)
+    plain = LlamaCppEngine(plain_path, precision, threads, n_ctx)
+    obf = LlamaCppEngine(obf_path, precision, threads, n_ctx)
+    if plain.vocab_size != obf.vocab_size:
+        raise EngineError(f"the plaintext GGUF has {plain.vocab_size} tokens and the obfuscated {obf.vocab_size}")
+    return plain, obf
+
+
+class EngineAsModel:
+    """An engine as the part of a transformers model that aloepri.eval.fidelity uses (a call returning
+    ``.logits``; greedy ``generate``), so that the fidelity step measures the models on the attacker's engine with
+    the same code, one model at a time."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def to(self, device) -> "EngineAsModel":
+        return self
+
+    def __call__(self, input_ids: Tensor, **_: Any):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.engine.logits(input_ids.cpu()))
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id=None, **_: Any) -> Tensor:
+        """Greedy continuation of each row (the prompt followed by the new tokens, stopping after an EOS)."""
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        rows = []
+        for row in input_ids.cpu():
+            dec, out, nxt = self.engine.decoder(), [], row[None, :]
+            for _ in range(max_new_tokens):
+                tok = int(dec.step(nxt)[0].argmax())
+                out.append(tok)
+                if tok in eos:
+                    break
+                nxt = torch.tensor([[tok]])
+            rows.append(torch.cat([row, torch.tensor(out, dtype=row.dtype)]))
+        return torch.stack(rows)
+
+
+def describe_pair(plain: Engine, obf: Engine) -> dict[str, Any]:
+    out = {"engine": plain.name, "precision": plain.precision}
+    for side, e in (("plain", plain), ("obfuscated", obf)):
+        if isinstance(e, LlamaCppEngine):
+            out[f"{side}_gguf"] = e.path.name
+    return out
+
+
+def release(*engines: Engine) -> None:
+    for e in engines:
+        e.close()
+
+
+__all__ = ["AUTO", "CHOICES", "ENGINES", "ENGINE_HELP", "Decoder", "Engine", "EngineAsModel", "EngineChoice", "EngineError",
+           "LlamaCppEngine", "TORCH", "TorchEngine", "choose_engine", "describe_pair", "engine_files", "llama_cpp_available",
+           "obfuscated_gguf", "open_engines", "parameter_count", "plaintext_gguf", "served_type"]

@@ -1,0 +1,191 @@
+"""The attacker's engines (aloepri.attacks.engines): one interface, torch (the reference) and llama.cpp behind it.
+
+Each engine runs the behavioural attack on tiny random models with its positive control (the `exact` preset: it
+must read >= 90% of the vocabulary) and its negative control (an unrelated model of the same shapes: near
+chance, so no test can pass by reading the key). The llama.cpp checks skip, saying why, where llama-cpp-python is
+not installed.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import aloepri
+from aloepri.attacks.base import AttackTarget, Budget
+from aloepri.attacks.behavioural import run_behavioural
+from aloepri.attacks.engines import (AUTO, EngineError, LlamaCppEngine, TorchEngine, choose_engine,
+                                     llama_cpp_available, open_engines)
+from attack_helpers import random_private_data
+
+CI = Budget.named("ci")
+needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(),
+                                     reason="llama-cpp-python is not installed (pip install 'aloepri[llamacpp]')")
+
+
+def _tiny32(directory, seed=0):
+    """A tiny Llama whose rows are multiples of 32 after the expansion (d=64, h=128: D=320), so it quantizes."""
+    from aloepri.testing.tiny import build_tiny
+
+    return build_tiny("llama", directory, seed=seed, vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+TEMPLATE = ([1, 10, 11, 12], [13, 14, 15])  # a stand-in chat template (the tiny models ship no tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, monkeypatch_module):
+    work = tmp_path_factory.mktemp("engines")
+    monkeypatch_module.setenv("ALOEPRI_CACHE", str(work / "cache"))  # the engines' GGUF files
+    src = _tiny32(work / "src")
+    aloepri.obfuscate(src, work / "exact", work / "exact.key", aloepri.resolve_params("exact"), seed=5,
+                      allow_weak_seed=True, progress=False)
+    other = _tiny32(work / "other", seed=99)  # same shapes, other weights: the negative control's server
+    aloepri.obfuscate(other, work / "unrelated", work / "unrelated.key", aloepri.resolve_params("exact"), seed=5,
+                      allow_weak_seed=True, progress=False)
+    return src, work
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def _attack(src, work, server, engine):
+    target = AttackTarget(src, work / server, work / f"{server}.key", engine=engine, engine_why="test")
+    res, _ = run_behavioural(target, random_private_data(128, 0, low=16), CI, 0, template=TEMPLATE)
+    target.release()
+    return res
+
+
+# --- the interface on torch (the reference) ------------------------------------------------------------------------
+
+
+def test_torch_engine_is_the_model(tiny):
+    src, work = tiny
+    target = AttackTarget(src, work / "exact", work / "exact.key")
+    plain, _ = target.engines()
+    assert isinstance(plain, TorchEngine) and plain.hidden_states
+    seqs = torch.randint(3, 128, (3, 9))
+    with torch.no_grad():
+        want = target.plain_model(input_ids=seqs).logits.float()
+    assert torch.equal(plain.logits(seqs), want)
+    assert torch.equal(plain.next_logits(seqs), want[:, -1])
+    # the decoder's cache: feeding the tokens in two steps gives the full pass's last logits
+    dec = plain.decoder()
+    dec.step(seqs[:, :5])
+    torch.testing.assert_close(dec.step(seqs[:, 5:]), want[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_engine_and_its_reason(tiny, monkeypatch):
+    src, work = tiny
+    cpu = torch.device("cpu")
+    small = choose_engine(AUTO, work / "exact", cpu)
+    assert small.name == "torch" and "below 1B" in small.why
+    # a model's size is read from its config: a 1.5B-shaped config on a CPU picks llama.cpp when installed
+    big = work / "big"
+    big.mkdir(exist_ok=True)
+    (big / "config.json").write_text(json.dumps({"hidden_size": 1536, "vocab_size": 151936, "num_hidden_layers": 28,
+                                                 "intermediate_size": 8960, "num_attention_heads": 12,
+                                                 "num_key_value_heads": 2}))
+    monkeypatch.setattr("aloepri.attacks.engines.llama_cpp_available", lambda: True)
+    chosen = choose_engine(AUTO, big, cpu)
+    assert chosen.name == "llamacpp-q8_0" and "1.78B parameters" in chosen.why
+    monkeypatch.setattr("aloepri.attacks.engines.llama_cpp_available", lambda: False)
+    assert choose_engine(AUTO, big, cpu).name == "torch"
+    with pytest.raises(EngineError, match="needs llama-cpp-python"):
+        choose_engine("llamacpp-q8_0", big, cpu)
+    with pytest.raises(EngineError, match="unknown engine"):
+        choose_engine("tensorrt", big, cpu)
+
+
+def test_attack_cli_refuses_an_unknown_engine_in_one_line(tiny, capsys):
+    from aloepri.cli import main
+
+    src, work = tiny
+    with pytest.raises(SystemExit) as e:
+        main(["attack", "behavioural", "--plain", str(src), "--obfuscated", str(work / "exact"), "--key",
+              str(work / "exact.key"), "--engine", "tensorrt"])
+    assert e.value.code == 2 and "tensorrt" in capsys.readouterr().err
+
+
+def test_torch_engine_controls(tiny):
+    src, work = tiny
+    res = _attack(src, work, "exact", "torch")
+    assert res.metrics["vocab_recovery"] >= 0.9, res.metrics["trace"]
+    assert res.budget["engine"]["engine"] == "torch"
+    neg = _attack(src, work, "unrelated", "torch")
+    known = neg.budget["anchors"]["template_positions_paired"] + neg.budget["anchors"]["special_pairs"]
+    assert neg.metrics["vocab_recovery"] <= (known + 12) / 128
+
+
+# --- llama.cpp -----------------------------------------------------------------------------------------------------
+
+
+@needs_llama_cpp
+def test_llama_cpp_engine_reads_what_torch_reads(tiny):
+    """Both models as q8_0 GGUF files: the logits follow torch's closely, and the prefix kept in llama.cpp's cache
+    gives the logits of a fresh evaluation."""
+    src, work = tiny
+    plain, obf = open_engines("llamacpp-q8_0", src, work / "exact", threads=1)
+    try:
+        assert isinstance(plain, LlamaCppEngine) and plain.vocab_size == obf.vocab_size == 128
+        assert not plain.hidden_states and plain.precision == "q8_0"
+        seqs = torch.randint(3, 128, (2, 10))
+        from aloepri.runtime.inference import load_plain_model
+
+        with torch.no_grad():
+            want = load_plain_model(src)(input_ids=seqs).logits.float()
+        got = plain.logits(seqs)
+        assert got.shape == want.shape
+        assert np.corrcoef(got.flatten().numpy(), want.flatten().numpy())[0, 1] > 0.99
+        # the same prefix, another last token: only the new token is evaluated, and the rows are those of a fresh
+        # evaluation (a reused stale row would fail this)
+        other = seqs.clone()
+        other[:, -1] = (other[:, -1] + 1) % 128
+        reused = plain.logits(other)
+        fresh_engine = LlamaCppEngine(plain.path, "q8_0")
+        fresh = fresh_engine.logits(other)
+        fresh_engine.close()
+        torch.testing.assert_close(reused, fresh, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(reused[:, -1], got[:, -1])
+    finally:
+        plain.close()
+        obf.close()
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("engine", ["llamacpp-q8_0", "llamacpp-q4_k_m"])
+def test_llama_cpp_engine_controls(tiny, engine):
+    src, work = tiny
+    res = _attack(src, work, "exact", engine)
+    assert res.budget["engine"]["engine"] == "llamacpp" and res.budget["engine"]["precision"] == engine.split("-")[1]
+    assert "llamacpp" in res.uses
+    assert res.metrics["vocab_recovery"] >= 0.9, res.metrics["trace"]
+    neg = _attack(src, work, "unrelated", engine)
+    known = neg.budget["anchors"]["template_positions_paired"] + neg.budget["anchors"]["special_pairs"]
+    assert neg.metrics["vocab_recovery"] <= (known + 12) / 128
+
+
+@needs_llama_cpp
+def test_audit_on_llama_cpp_records_the_engine_and_holds_one_model_at_a_time(tiny, tmp_path):
+    from aloepri.audit import plan as plan_mod
+    from aloepri.audit.run import run_audit
+
+    src, work = tiny
+    only = (plan_mod.PlannedAttack("behavioural-composed", plan_mod.PROVIDER, plan_mod.BUDGETS),)
+    rep = run_audit(src, work / "exact", work / "exact.key", "ci", tmp_path / "r", prompts=2, progress=False,
+                    plan=only, engine="llamacpp-q8_0").data
+    assert rep["engine"]["name"] == "llamacpp-q8_0"
+    fid = rep["fidelity"]
+    assert fid["status"] == "ran" and fid["engine"].startswith("llama.cpp q8_0") and fid["models_held"] == "one at a time"
+    assert fid["top1_agreement"] >= 0.9  # exact preset: quantization alone moves few argmaxes
+    attack = rep["attacks"][0]
+    assert attack["status"] == "ran", attack
+    assert attack["attack_budget"]["engine"]["engine"] == "llamacpp"
+    assert attack["ttrsr"] >= 0.9
