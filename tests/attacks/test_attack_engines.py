@@ -189,3 +189,19 @@ def test_audit_on_llama_cpp_records_the_engine_and_holds_one_model_at_a_time(tin
     assert attack["status"] == "ran", attack
     assert attack["attack_budget"]["engine"]["engine"] == "llamacpp"
     assert attack["ttrsr"] >= 0.9
+
+
+# --- the weight attacks need no model: Gate-IA streamed from the checkpoints ---------------------------------------
+
+
+def test_gate_ia_streamed_from_checkpoints_is_the_model_path(tiny, tmp_path):
+    """Gate-IA's features read tensor by tensor (a .gguf plaintext file and the obfuscated directory) equal those of
+    the loaded models bit for bit, so the attack loads neither model."""
+    from aloepri.attacks.invariant import gate_invariants, gate_invariants_of_checkpoint
+    from aloepri.export.gguf import export_gguf, plaintext_reference_dir
+    from aloepri.runtime.inference import load_obfuscated_model, load_plain_model
+
+    src, work = tiny
+    gguf = export_gguf(plaintext_reference_dir(src, tmp_path / "ref"), tmp_path / "plain.gguf", "q8_0").outfile
+    for path, model in ((gguf, load_plain_model(gguf)), (work / "exact", load_obfuscated_model(work / "exact"))):
+        assert torch.equal(gate_invariants_of_checkpoint(path), gate_invariants(model))

@@ -81,29 +81,44 @@ class AttackTarget:
         return self._elsewhere[str(dev)]
 
     def engines(self):
-        """(plaintext engine, obfuscated engine) of ``engine``, opened once (aloepri.attacks.engines)."""
-        if self._engines is None:
-            from .engines import TORCH, open_engines
+        """(plaintext engine, obfuscated engine) of ``engine``, each opened once (aloepri.attacks.engines)."""
+        return self.engine_of("plain"), self.engine_of("obf")
 
-            if self.engine == TORCH:
-                self._engines = open_engines(TORCH, self.plain_src, self.obfuscated_dir, self.plain_model,
-                                             self.obf_model)
-            else:
-                self._engines = open_engines(self.engine, self.plain_src, self.obfuscated_dir,
-                                             threads=self.threads or torch.get_num_threads())
-        return self._engines
+    def engine_of(self, side: str):
+        """The engine of one side ('plain' or 'obf'), opened on first use."""
+        from .engines import TORCH, EngineError, open_engine
+
+        held = dict(self._engines or ())
+        if side not in held:
+            model = (self.plain_model if side == "plain" else self.obf_model) if self.engine == TORCH else None
+            held[side] = open_engine(self.engine, side, self.plain_src, self.obfuscated_dir, model,
+                                     threads=self.threads or torch.get_num_threads())
+            self._engines = tuple(held.items())
+            if "plain" in held and "obf" in held and held["plain"].vocab_size != held["obf"].vocab_size:
+                raise EngineError(f"the plaintext model gives {held['plain'].vocab_size} logits per row on "
+                                  f"{self.engine} and the obfuscated {held['obf'].vocab_size}")
+        return held[side]
+
+    def public_lm(self):
+        """The public model as a language model (called with input_ids and attention_mask, returning ``.logits``),
+        for the attacks that only score text with it (the observer of the logs): the torch model, or the plaintext
+        model on the target's engine."""
+        from .engines import TORCH, EngineAsModel
+
+        return self.plain_model if self.engine == TORCH else EngineAsModel(self.engines()[0])
 
     def engine_record(self) -> dict[str, Any]:
-        """The engine as an attack's result records it (the engines open)."""
-        from .engines import describe_pair
+        """The engine as an attack's result records it (from the engines opened so far)."""
+        from .engines import describe_engines
 
-        return {**describe_pair(*self.engines()), "engine_choice": self.engine, "engine_why": self.engine_why}
+        return {**describe_engines(self.engine, dict(self._engines or ())), "engine_choice": self.engine,
+                "engine_why": self.engine_why}
 
     def release(self, models: bool = True, engines: bool = True) -> None:
         """Free the torch models and/or the engines held (the next use loads them again), so that one step's
         memory is not the next's."""
         if engines and self._engines is not None:
-            for e in self._engines:
+            for _, e in self._engines:
                 e.close()
             self._engines = None
         if models:

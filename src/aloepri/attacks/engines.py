@@ -343,6 +343,22 @@ def engine_files(choice: str, plain_src: str | Path, obfuscated_dir: str | Path)
     return plaintext_gguf(plain_src, qtype), obfuscated_gguf(obfuscated_dir, qtype), precision
 
 
+def open_engine(choice: str, side: str, plain_src: str | Path, obfuscated_dir: str | Path, model=None,
+                threads: int = 1, n_ctx: int = 512) -> Engine:
+    """One side's engine ('plain' or 'obf'): ``torch`` wraps ``model``; llama.cpp makes or reuses that side's GGUF
+    file only."""
+    if choice == TORCH:
+        return TorchEngine(model)
+    if not choice.startswith("llamacpp-") or choice.split("-", 1)[1] not in LLAMACPP_TYPES:
+        raise EngineError(f"unknown engine {choice!r}; choose one of {', '.join(CHOICES)}")
+    _llama_cpp()
+    qtype = served_type(Path(obfuscated_dir), choice.split("-", 1)[1])
+    precision = qtype if qtype == choice.split("-", 1)[1] else \
+        f"{qtype} (the obfuscated rows are not multiples of 32: both models at {qtype})"
+    path = plaintext_gguf(plain_src, qtype) if side == "plain" else obfuscated_gguf(obfuscated_dir, qtype)
+    return LlamaCppEngine(path, precision, threads, n_ctx)
+
+
 def open_engines(choice: str, plain_src: str | Path, obfuscated_dir: str | Path, plain_model=None, obf_model=None,
                  threads: int = 1, n_ctx: int = 512) -> tuple[Engine, Engine]:
     """(plaintext engine, obfuscated engine) of ``choice``. ``torch`` wraps the models given (loaded by the
@@ -368,10 +384,23 @@ class EngineAsModel:
     def to(self, device) -> "EngineAsModel":
         return self
 
-    def __call__(self, input_ids: Tensor, **_: Any):
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, **_: Any):
+        """``.logits`` of each row; with an ``attention_mask`` (right padding) each row is run on its unpadded
+        tokens and the padded positions' logits are zeros."""
         from types import SimpleNamespace
 
-        return SimpleNamespace(logits=self.engine.logits(input_ids.cpu()))
+        ids = input_ids.cpu()
+        if attention_mask is None or bool(attention_mask.all()):
+            return SimpleNamespace(logits=self.engine.logits(ids))
+        mask = attention_mask.cpu().bool()
+        lengths = mask.sum(dim=1)
+        if not all(bool(mask[j, :n].all()) for j, n in enumerate(lengths.tolist())):
+            raise ValueError("an engine runs right-padded rows only (every row's tokens first, then its padding)")
+        out = torch.zeros(*ids.shape, self.engine.vocab_size)
+        for j, n in enumerate(lengths.tolist()):
+            if n:
+                out[j, :n] = self.engine.logits(ids[j:j + 1, :n])[0]
+        return SimpleNamespace(logits=out)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id=None, **_: Any) -> Tensor:
@@ -391,10 +420,18 @@ class EngineAsModel:
 
 
 def describe_pair(plain: Engine, obf: Engine) -> dict[str, Any]:
-    out = {"engine": plain.name, "precision": plain.precision}
-    for side, e in (("plain", plain), ("obfuscated", obf)):
+    return describe_engines(plain.name, {"plain": plain, "obf": obf})
+
+
+def describe_engines(choice: str, opened: dict[str, Engine]) -> dict[str, Any]:
+    """The engines as a result records them: name, precision, and the GGUF files of those opened."""
+    first = next(iter(opened.values()), None)
+    out = {"engine": first.name if first else ("torch" if choice == TORCH else "llamacpp"),
+           "precision": first.precision if first else choice.partition("-")[2] or None,
+           "models": sorted("plaintext" if k == "plain" else "obfuscated" for k in opened)}
+    for side, e in opened.items():
         if isinstance(e, LlamaCppEngine):
-            out[f"{side}_gguf"] = e.path.name
+            out[f"{'plaintext' if side == 'plain' else 'obfuscated'}_gguf"] = e.path.name
     return out
 
 
@@ -404,5 +441,5 @@ def release(*engines: Engine) -> None:
 
 
 __all__ = ["AUTO", "CHOICES", "ENGINES", "ENGINE_HELP", "Decoder", "Engine", "EngineAsModel", "EngineChoice", "EngineError",
-           "LlamaCppEngine", "TORCH", "TorchEngine", "choose_engine", "describe_pair", "engine_files", "llama_cpp_available",
-           "obfuscated_gguf", "open_engines", "parameter_count", "plaintext_gguf", "served_type"]
+           "LlamaCppEngine", "TORCH", "TorchEngine", "choose_engine", "describe_engines", "describe_pair", "engine_files", "llama_cpp_available",
+           "obfuscated_gguf", "open_engine", "open_engines", "parameter_count", "plaintext_gguf", "served_type"]

@@ -49,10 +49,44 @@ def gate_invariants(model) -> Tensor:
             continue  # MoE layers have no single gate; their experts are not used here
         gate = _w(layer.gate) * _w(layer.ffn_norm)[None, :]
         cols.append(emb @ gate.mean(dim=0))  # Avg_j (e W)_j = e . mean_j W_j: no (n, ffn) product needed
+    return _scaled_columns(cols)
+
+
+def _scaled_columns(cols: list[Tensor]) -> Tensor:
     if not cols:
         raise ValueError("Gate-IA needs dense FFN layers (gate_proj); this model has none")
     f = torch.stack(cols, dim=1)
     return f / f.square().mean(dim=0, keepdim=True).sqrt().clamp_min(1e-30)
+
+
+def gate_invariants_of_checkpoint(path) -> Tensor:
+    """``gate_invariants`` read from a checkpoint (a Hugging Face directory or a .gguf file) tensor by tensor, no
+    model built: the same numbers bit for bit (the same float32 weights, the same products), holding the embedding
+    and one layer's gate at a time instead of the model."""
+    from ..obfuscation.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(path)
+    try:
+        emb = ck.get("embed", dtype=torch.float32)
+        cols = []
+        for i in range(ck.num_layers):
+            if not ck.has("gate", i):
+                continue  # MoE layers, as above
+            gate = ck.get("gate", i, dtype=torch.float32) * ck.get("ffn_norm", i, dtype=torch.float32)[None, :]
+            cols.append(emb @ gate.mean(dim=0))
+            del gate
+    finally:
+        ck.close()
+    return _scaled_columns(cols)
+
+
+def target_gate_invariants(target: AttackTarget, side: str) -> Tensor:
+    """Gate-IA's features of one side ('plain' or 'obf') of ``target``: from the model when it is loaded (or was
+    built in memory), else streamed from its checkpoint, so that Gate-IA loads neither model."""
+    attr, path = ("plain_model", target.plain_src) if side == "plain" else ("obf_model", target.obfuscated_dir)
+    if attr in target.__dict__ or not (path.is_file() or (path / "config.json").is_file()):
+        return gate_invariants(getattr(target, attr))
+    return gate_invariants_of_checkpoint(path)
 
 
 def block_leverages(q: Tensor, num_heads: int, eps: float = 1e-12) -> Tensor:
@@ -87,7 +121,7 @@ def attn_invariants(model, layers: list[int], sort_within_layer: bool) -> Tensor
 
 def run_gate_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     cfg = IA_BUDGETS.get(budget.name, IA_BUDGETS["full"])
-    plain_f, obf_f = gate_invariants(target.plain_model), gate_invariants(target.obf_model)
+    plain_f, obf_f = target_gate_invariants(target, "plain"), target_gate_invariants(target, "obf")
     queries, sampled, _, scores = match_features(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
     return AttackResult(
         "gate-ia", scores["ttrsr"], scores["piirsr"], scores,

@@ -527,7 +527,7 @@ def run_stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget,
     reference = public_reference(tok, ref_tokens)
     lm_tokens = int(max(2_000, 20_000 * budget.scale))
     judge = int(max(1_000, 3_000 * min(1.0, budget.scale * 4)))
-    lm = LMScorer(target.plain_model, batch=4, device=target.device) if with_lm else None
+    lm = LMScorer(target.public_lm(), batch=4, device=target.device) if with_lm else None
     res = decipher_stream(requests, vocab, reference, pre, post, lm=lm, lm_tokens=lm_tokens, lm_judge_tokens=judge,
                           restarts=1 if with_lm else 0, seed=seed)
     # scoring (the key's side): the guess over the whole id space, -1 for ids the observer never saw
@@ -554,7 +554,7 @@ def stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget, see
     return run_stream_decipher(target, data, budget, seed, with_lm=False)
 
 
-@register("stream-decipher-lm")
+@register("stream-decipher-lm", uses_engine=True)
 def stream_decipher_lm(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """Id-stream decipherment of the logs with the public model judging and refining the mapping."""
     return run_stream_decipher(target, data, budget, seed, with_lm=True)
