@@ -139,8 +139,9 @@ def test_proxy_cli_takes_the_api_key_from_the_environment(tiny):
 
     from aloepri.cli import build_parser
 
-    args = build_parser().parse_args(["proxy", "--key", "k", "--upstream", "http://127.0.0.1:1", "--api-key", "abc"])
-    assert args.api_key == "abc"
+    args = build_parser().parse_args(["proxy", "--key", "k", "--upstream", "http://127.0.0.1:1", "--api-key", "abc",
+                                      "--api-key", "def"])
+    assert args.api_key == ["abc", "def"]
     server = LocalServer(tiny["server_dir"])
     with ServerThread(server.app()) as up:
         port = free_port()
@@ -774,8 +775,9 @@ def test_reply_decoder_logprobs_follow_the_text_across_multibyte_characters_and_
         assert len(handed) == len(want.encode())
 
 
-@pytest.mark.parametrize("backend", ["llamacpp-native", "openai-text"])
-def test_backends_without_ids_for_logprobs_or_choices_refuse_them(stack, tiny, backend):
+def test_the_text_backend_refuses_logprobs_and_choices(stack, tiny):
+    """The text path gets text back, not ids: logprobs and n are refused with the reason."""
+    backend = "openai-text"
     p = build_proxy(tiny["key"], stack["upstream"], tokenizer=ToolTokenizer(), backend=backend)
     with ServerThread(p.app()) as url:
         c = sdk(url, "unused")
@@ -803,3 +805,29 @@ def test_sdk_client_n_and_logprobs(stack, tiny, plain):
     ref = _plain_logprobs(plain, PROMPT, want)
     assert all(math.isclose(e.logprob, float(ref[j, want[j]]), abs_tol=1e-4) for j, e in enumerate(one.logprobs))
     assert all(e.token is None and e.top == [(want[j], None, e.logprob)] for j, e in enumerate(one.logprobs))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_llamacpp_native_n_and_logprobs_as_llama_server_gives_them(stack, tiny, plain, stream):
+    """llama.cpp's /completion shape (serve-local imitates llama-server's: n answers as a list or events with their
+    index, logprobs in completion_probabilities by id): n greedy choices each equal plaintext greedy, and each
+    token's logprob is the plaintext model's. The real llama-server: tests/serving/test_llama_server.py."""
+    from aloepri.serving.client import Client
+
+    want = greedy(plain, PROMPT, 6, 2)
+    ref = _plain_logprobs(plain, PROMPT, want)
+    with Client(tiny["key"], stack["upstream"], backend="llamacpp-native") as c:
+        if stream:
+            deltas = list(c.stream_complete(PROMPT, max_tokens=6, temperature=0, n=2, logprobs=2))
+            got = {i: ([t for d in deltas if d.index == i for t in d.token_ids],
+                       [e for d in deltas if d.index == i for e in d.logprobs or []]) for i in (0, 1)}
+        else:
+            both = c.complete(PROMPT, max_tokens=6, temperature=0, n=2, logprobs=2)
+            got = {r.index: (r.token_ids, r.logprobs) for r in both}
+    for i in (0, 1):
+        ids, lps = got[i]
+        assert ids == want and [e.token_id for e in lps] == want
+        assert all(math.isclose(e.logprob, float(ref[j, want[j]]), abs_tol=1e-4) for j, e in enumerate(lps))
+        assert all(len(e.top) == 2 and e.top[0][0] == want[j] for j, e in enumerate(lps))
+    sent = json.loads([e for e in stack["recorder"].exchanges if e["path"] == "/completion"][-1]["request"])
+    assert sent["n"] == 2 and sent["n_probs"] == 2 and sent["return_tokens"] is True

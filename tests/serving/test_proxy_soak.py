@@ -133,3 +133,63 @@ def test_soak_mixed_traffic_answers_as_alone_and_leaves_nothing_behind():
     finally:
         px.stop()
         up.stop()
+
+
+FLOOD_CLIENTS = 40
+FLOOD_REQUESTS = 240
+FLOOD_KEYS = [f"key-{i}" for i in range(4)]
+
+
+def test_flood_with_tight_limits_answers_every_request_with_its_own_reply():
+    """A bounded flood: 40 clients over 4 API keys send 240 requests (streamed and not) to a proxy that lets each
+    key have 2 requests in flight and 2 queued: the rest get 429 with Retry-After and are sent again (sooner than
+    Retry-After asks, to keep the test fast). Every request ends with exactly its own reply (nothing lost or
+    mixed between clients), and nothing is left in flight or queued. The figures at 100 clients and 5,000
+    requests: benchmarks/experiments/proxy_flood.py."""
+    key = synthetic_key(96)
+    upstream = EchoUpstream(key, reply_len=6, delay=0.001)
+    up = ServerThread(upstream.app()).start()
+    proxy = build_proxy(key, up.url, tokenizer=ToolTokenizer(), client_api_key=FLOOD_KEYS, max_concurrent=2,
+                        max_queue=2)
+    px = ServerThread(proxy.app()).start()
+    try:
+        async def flood():
+            refused, answers = [0], {}
+            limits = httpx2.Limits(max_connections=FLOOD_CLIENTS)
+            async with httpx2.AsyncClient(timeout=60, limits=limits) as http:
+                async def client(c: int):
+                    headers = {"Authorization": f"Bearer {FLOOD_KEYS[c % len(FLOOD_KEYS)]}"}
+                    for r in range(FLOOD_REQUESTS // FLOOD_CLIENTS):
+                        body = {"prompt": f"c{c} r{r}", "max_tokens": 6, "stream": r % 2 == 1}
+                        while True:
+                            resp = await http.post(px.url + "/v1/completions", json=body, headers=headers)
+                            if resp.status_code != 429:
+                                break
+                            assert int(resp.headers["retry-after"]) >= 1
+                            refused[0] += 1
+                            await asyncio.sleep(0.01)
+                        assert resp.status_code == 200, resp.text
+                        answers[(c, r)] = _answer("/v1/completions", body, resp.content)
+                await asyncio.gather(*(client(c) for c in range(FLOOD_CLIENTS)))
+            return refused[0], answers
+
+        t0 = time.perf_counter()
+        refused, answers = asyncio.run(flood())
+        seconds = time.perf_counter() - t0
+        assert len(answers) == FLOOD_REQUESTS
+        tok = ToolTokenizer()
+        for (c, r), got in answers.items():  # the stand-in engine replies with the prompt's tail, newest first
+            want = tok.decode(tok.encode(f"c{c} r{r}")[::-1][:6])
+            text = "".join(t for ch in got[0].values() for t, *_ in ch) if isinstance(got[0], dict) \
+                else got[0][0]["text"]
+            assert text == want, (c, r, text, want)
+        assert refused > 0  # the limits did refuse
+        deadline = time.monotonic() + 10
+        while (proxy.in_flight or proxy.limits.active or proxy.limits.queued) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proxy.in_flight == 0 and proxy.limits.active == 0 and proxy.limits.queued == 0
+        assert len(upstream.seen) == FLOOD_REQUESTS  # a refused request never reached the engine
+        print(f"flood: {FLOOD_REQUESTS} requests from {FLOOD_CLIENTS} clients in {seconds:.1f} s, {refused} 429s")
+    finally:
+        px.stop()
+        up.stop()

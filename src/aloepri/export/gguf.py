@@ -43,6 +43,11 @@ KQUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_
            "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 ALL_TYPES = QTYPES + tuple(KQUANTS)
 BLOCK = 32  # block size of q8_0 / q4_0 / q5_0
+# The file's chat template: a Jinja comment (it renders nothing) that names the public model fingerprint. llama.cpp's
+# llama-server publishes no other metadata of the file, but it shows the template in /props, where `aloepri proxy`
+# reads the fingerprint and checks its key against it at start (aloepri.serving.client.guard.fingerprint_in_props).
+# The server holds no chat template it could use anyway: it sees neutral symbols, and chat is rendered by the client.
+FINGERPRINT_TEMPLATE = "{{#- aloepri model_fingerprint={fingerprint} -#}}"
 
 
 class GGUFExportError(ValueError):
@@ -315,6 +320,7 @@ def export_gguf(model_dir: str | Path, outfile: str | Path, qtype: str = "f32", 
             w.add_rope_scaling_factor(scaling["factor"])
         if meta.get("model_fingerprint"):
             w.add_string("aloepri.model_fingerprint", str(meta["model_fingerprint"]))
+            w.add_chat_template(FINGERPRINT_TEMPLATE.format(fingerprint=meta["model_fingerprint"]))
         add_gguf_tokenizer(w, dims["vocab"], eos)
 
         rope_freqs = scaling["freqs"] if scaling and scaling["type"] == "llama3" else None

@@ -12,18 +12,24 @@ from typing import Any, TextIO
 
 from .client import BACKENDS
 from .http import DEFAULT_MAX_REQUEST_BYTES
+from .limits import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_QUEUE
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _WILDCARD = ("0.0.0.0", "::", "")
 
 
-def _add_client_args(p: argparse.ArgumentParser, server_flag: str) -> None:
+def _add_client_args(p: argparse.ArgumentParser, server_flag: str, auto_backend: bool = False) -> None:
     p.add_argument("--key", required=True, help="the client's secret key file (written by 'aloepri obfuscate')")
     p.add_argument(server_flag, required=True, dest="server",
                    help="base URL of the inference server holding the obfuscated model, e.g. http://127.0.0.1:8000")
-    p.add_argument("--backend", choices=BACKENDS, default="openai-completions",
-                   help="wire protocol: openai-completions (token-id prompts, vLLM/SGLang/aloepri serve-local), "
-                        "llamacpp-native (llama.cpp's /completion), openai-text (the neutral-tokenizer text path)")
+    protocols = ("openai-completions (token-id prompts, vLLM/SGLang/aloepri serve-local), llamacpp-native "
+                 "(llama.cpp's llama-server /completion), openai-text (the neutral-tokenizer text path)")
+    if auto_backend:
+        p.add_argument("--backend", choices=("auto",) + BACKENDS, default="auto",
+                       help=f"wire protocol: auto (default: probe the server at start and choose) or {protocols}")
+    else:
+        p.add_argument("--backend", choices=BACKENDS, default="openai-completions",
+                       help=f"wire protocol: {protocols}")
     p.add_argument("--model", default=None, help="model name on the server (default: the first it lists)")
     p.add_argument("--tokenizer", default=None,
                    help="plaintext tokenizer directory or .gguf (default: the source checkpoint the key names)")
@@ -57,16 +63,17 @@ def add_serving_commands(sub: Any) -> None:
 
     p = sub.add_parser("proxy", help="local OpenAI-compatible privacy proxy: obfuscates requests to an untrusted "
                                      "server and decodes its replies")
-    _add_client_args(p, "--upstream")
+    _add_client_args(p, "--upstream", auto_backend=True)
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: the proxy holds the key)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--served-model-name", default=None, help="model name the proxy shows its clients "
                                                              "(default: the upstream's)")
     p.add_argument("--upstream-api-key", default=os.environ.get("ALOEPRI_UPSTREAM_API_KEY"),
                    help="bearer token for the upstream (default: $ALOEPRI_UPSTREAM_API_KEY)")
-    p.add_argument("--api-key", default=os.environ.get("ALOEPRI_PROXY_API_KEY"),
+    p.add_argument("--api-key", action="append", default=None,
                    help="key the proxy's own clients must send (Authorization: Bearer KEY) on every /v1 route, as "
-                        "'vllm serve --api-key' (default: $ALOEPRI_PROXY_API_KEY; none: no check)")
+                        "'vllm serve --api-key'; repeatable: each key is one client for the limits below (default: "
+                        "$ALOEPRI_PROXY_API_KEY; none: no check)")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="reply length for chat requests that give no max_tokens (default 512)")
     p.add_argument("--max-tokens-limit", type=int, default=None,
@@ -78,6 +85,17 @@ def add_serving_commands(sub: Any) -> None:
                         "proxy) before refusing to start (default 60; 0: start without it)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)")
+    p.add_argument("--rate-limit", type=float, default=None, metavar="PER_SECOND",
+                   help="requests per second per client (per --api-key, else per address); over it: 429 with "
+                        "Retry-After (default: no rate limit)")
+    p.add_argument("--rate-burst", type=float, default=None, metavar="REQUESTS",
+                   help="requests a client may send at once within --rate-limit (default: one second's worth)")
+    p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
+                   help=f"requests per client in flight upstream at once (default {DEFAULT_MAX_CONCURRENT}); the "
+                        "next ones wait in a queue")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests per client waiting for --max-concurrent (default {DEFAULT_MAX_QUEUE}); any more "
+                        "get 429 with Retry-After")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="a Host name clients may address besides localhost, 127.0.0.1 and ::1 (repeatable; '*': "
                         "any). Anything else is refused: a web page could reach the proxy by DNS rebinding")
@@ -119,10 +137,20 @@ def _check_common(a: argparse.Namespace) -> None:
         raise ValueError(f"--timeout {a.timeout}: give a positive number of seconds")
     if getattr(a, "upstream_wait", None) is not None and not (math.isfinite(a.upstream_wait) and a.upstream_wait >= 0):
         raise ValueError(f"--upstream-wait {a.upstream_wait}: give a number of seconds, 0 or more")
-    for flag in ("max_tokens", "max_tokens_limit", "threads", "max_request_bytes"):
+    for flag in ("max_tokens", "max_tokens_limit", "threads", "max_request_bytes", "max_concurrent"):
         v = getattr(a, flag, None)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {v}: give a positive integer")
+    if getattr(a, "max_queue", None) is not None and a.max_queue < 0:
+        raise ValueError(f"--max-queue {a.max_queue}: give a number of requests, 0 or more")
+    rate = getattr(a, "rate_limit", None)
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"--rate-limit {rate}: give a positive number of requests per second")
+    burst = getattr(a, "rate_burst", None)
+    if burst is not None and not (math.isfinite(burst) and burst >= 1):
+        raise ValueError(f"--rate-burst {burst}: give a number of requests, at least 1")
+    if burst is not None and rate is None:
+        raise ValueError("--rate-burst needs --rate-limit")
 
 
 def _check_key_file(a: argparse.Namespace) -> None:
@@ -157,11 +185,13 @@ def cmd_proxy(a: argparse.Namespace) -> int:
     _check_common(a)
     _check_key_file(a)
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
-    if a.api_key is not None and not a.api_key.strip():
+    env_key = os.environ.get("ALOEPRI_PROXY_API_KEY")
+    api_keys = a.api_key if a.api_key is not None else ([env_key] if env_key is not None else [])
+    if any(not k.strip() for k in api_keys):
         raise ValueError("--api-key (or $ALOEPRI_PROXY_API_KEY) is empty: give a key, or unset it for no check")
     allowed_hosts = list(a.allowed_host)
     if a.host not in _LOOPBACK:
-        who = "anyone with the --api-key" if a.api_key else "anyone who reaches this port"
+        who = "anyone with the --api-key" if api_keys else "anyone who reaches this port"
         print(f"warning: listening on {a.host}: {who} can use your key to read what the model says; keep the proxy "
               "on loopback unless that is intended", file=sys.stderr)
         if a.host in _WILDCARD and not allowed_hosts:
@@ -174,14 +204,16 @@ def cmd_proxy(a: argparse.Namespace) -> int:
                             backend=a.backend, tokenizer=a.tokenizer, server_tokenizer=a.server_tokenizer,
                             api_key=a.upstream_api_key, timeout=a.timeout, log_plaintext=a.log_plaintext,
                             chat_max_tokens=a.max_tokens, verify=not a.no_verify, model_meta=a.model_meta,
-                            max_tokens_limit=a.max_tokens_limit, client_api_key=a.api_key,
+                            max_tokens_limit=a.max_tokens_limit, client_api_key=api_keys,
                             upstream_wait=a.upstream_wait, max_request_bytes=a.max_request_bytes,
-                            allowed_hosts=allowed_hosts, allowed_origins=a.allowed_origin)
+                            allowed_hosts=allowed_hosts, allowed_origins=a.allowed_origin, rate_limit=a.rate_limit,
+                            rate_burst=a.rate_burst, max_concurrent=a.max_concurrent, max_queue=a.max_queue)
     except UpstreamError as e:  # the upstream never came up: one line, exit 2, as for a bad flag
         raise ValueError(str(e)) from None
-    print(f"aloepri proxy: http://{a.host}:{a.port}/v1 -> {a.server} ({a.backend}), model '{proxy.model_name}' "
+    backend = proxy.client.core.backend.name + (" (detected)" if a.backend == "auto" else "")
+    print(f"aloepri proxy: http://{a.host}:{a.port}/v1 -> {a.server} ({backend}), model '{proxy.model_name}' "
           f"(or '{STABLE_MODEL_NAME}'), "
-          f"key check: {proxy.fingerprint_status}, client API key: {'required' if a.api_key else 'none'}",
+          f"key check: {proxy.fingerprint_status}, client API key: {'required' if api_keys else 'none'}",
           file=sys.stderr, flush=True)
     uvicorn.run(proxy.app(), host=a.host, port=a.port, log_level=a.log_level, access_log=False)
     return 0

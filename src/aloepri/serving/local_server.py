@@ -12,7 +12,8 @@ Endpoints (request and response shapes follow vLLM and llama.cpp, so the client'
 - ``POST /v1/completions``: ``prompt`` as a list of ints (or a string, if the directory ships a tokenizer),
   ``return_token_ids`` gives ``choices[i].token_ids`` as vLLM does; ``n`` choices; ``logprobs`` in vLLM's shape
   (``"token_id:N"`` labels with ``return_tokens_as_token_ids``); streaming with SSE.
-- ``POST /completion``: llama.cpp's native shape (``n_predict``, ``return_tokens`` -> ``tokens``).
+- ``POST /completion``: llama.cpp's native shape (``n_predict``, ``return_tokens`` -> ``tokens``; ``n`` choices
+  as a list of answers, or events with their ``index``; ``n_probs`` -> ``completion_probabilities`` by id).
 
 Requests are scheduled round-robin one decoding step at a time by a single worker thread (no batching), so
 concurrent streams all make progress; a request whose client disconnects is dropped at its next step.
@@ -291,9 +292,7 @@ class LocalServer:
             raise BadRequest("serve-local does not match stop strings (its text is neutral symbols); "
                              "use 'stop_token_ids'", "stop")
         if native:
-            if body.get("n_probs"):
-                raise BadRequest("serve-local gives logprobs on /v1/completions only ('logprobs')", "n_probs")
-            logprobs = None
+            logprobs = number(body, "n_probs", 0, lo=0, hi=MAX_LOGPROBS, integer=True) or None
         else:
             logprobs = number(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
         return GenRequest(
@@ -304,11 +303,16 @@ class LocalServer:
             repetition_penalty=rep, logit_bias=bias, logprobs=logprobs)
 
     def _choices(self, body: dict, native: bool) -> int:
-        if native:
-            if body.get("n") not in (None, 1):
-                raise BadRequest("llama.cpp's /completion has no 'n'; use /v1/completions", "n")
-            return 1
+        if native and body.get("n_cmpl") is not None:  # llama-server's name; "n" is its alias
+            return number(body, "n_cmpl", 1, lo=1, hi=MAX_CHOICES, integer=True)
         return number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
+
+    @staticmethod
+    def _native_probs(steps: list) -> list[dict]:
+        """llama.cpp's ``completion_probabilities`` for some steps [(token id, [(id, logprob), ...]), ...]."""
+        return [{"id": tid, "token": "", "logprob": max(pairs[0][1], -9999.0),
+                 "top_logprobs": [{"id": i, "token": "", "logprob": max(v, -9999.0)} for i, v in pairs]}
+                for tid, pairs in steps]
 
     def _token_label(self, tid: int, as_id: bool) -> str:
         if as_id or self.tokenizer is None:
@@ -416,12 +420,18 @@ class LocalServer:
     def _answer(self, results: list, prompt: list[int], req: GenRequest, rid: str, native: bool, want_ids: bool,
                 as_ids: bool) -> dict:
         """A whole (not streamed) answer's JSON; detokenized in a worker thread."""
-        if native:
-            ids, steps, finish = results[0]
-            detok = self._detok()
-            return {"content": detok.push(ids, final=True) if detok else "", "tokens": ids if want_ids else [],
-                    "stop": True, "model": self.model_name, "stop_type": "limit" if finish == "length" else "eos",
-                    "tokens_predicted": len(ids), "tokens_evaluated": len(prompt)}
+        if native:  # one answer, or with n > 1 a list of them (as llama-server does)
+            answers = []
+            for i, (ids, steps, finish) in enumerate(results):
+                detok = self._detok()
+                answer = {"index": i, "content": detok.push(ids, final=True) if detok else "",
+                          "tokens": ids if want_ids else [], "stop": True, "model": self.model_name,
+                          "stop_type": "limit" if finish == "length" else "eos", "tokens_predicted": len(ids),
+                          "tokens_evaluated": len(prompt)}
+                if req.logprobs is not None:
+                    answer["completion_probabilities"] = self._native_probs(steps)
+                answers.append(answer)
+            return answers[0] if len(answers) == 1 else answers
         choices = []
         for i, (ids, steps, finish) in enumerate(results):
             detok = self._detok()
@@ -480,26 +490,32 @@ class LocalServer:
                 s.cancel()
 
     async def _stream_native(self, sessions: list[Session], want_ids: bool):
-        session = sessions[0]
-        detok, n = self._detok(), 0
+        detoks, counts = [self._detok() for _ in sessions], [0] * len(sessions)
+        open_, with_lps = set(range(len(sessions))), sessions[0].req.logprobs is not None
+        events = sessions[0].events
         try:
-            while True:
-                kind, value, _ = await session.events.get()
+            while open_:
+                kind, value, i = await events.get()
                 if kind == "error":
                     yield sse({"error": {"message": value, "type": "server_error", "code": 500}})  # llama.cpp's shape
                     return
+                detok = detoks[i]
                 if kind == "token":
-                    n += 1
+                    counts[i] += 1
                     tid = value[0]
-                    yield sse({"content": detok.push([tid]) if detok else "", "tokens": [tid] if want_ids else [],
-                                "stop": False, "index": 0})
+                    event = {"index": i, "content": detok.push([tid]) if detok else "",
+                             "tokens": [tid] if want_ids else [], "stop": False}
+                    if with_lps:
+                        event["completion_probabilities"] = self._native_probs([value])
+                    yield sse(event)
                 else:
-                    yield sse({"content": detok.flush() if detok else "", "tokens": [], "stop": True, "index": 0,
-                                "model": self.model_name, "stop_type": "limit" if value == "length" else "eos",
-                                "tokens_predicted": n, "tokens_evaluated": len(session.req.prompt)})
-                    return
+                    open_.discard(i)
+                    yield sse({"index": i, "content": detok.flush() if detok else "", "tokens": [], "stop": True,
+                               "model": self.model_name, "stop_type": "limit" if value == "length" else "eos",
+                               "tokens_predicted": counts[i], "tokens_evaluated": len(sessions[0].req.prompt)})
         finally:
-            session.cancel()
+            for s in sessions:
+                s.cancel()
 
 
 def _stamped(app: Any, fingerprint: str):

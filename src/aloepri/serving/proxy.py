@@ -30,6 +30,7 @@ from .client import AsyncClient, AsyncReplyStream, Completion, GenerationParams,
 from .http import (DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_NAMES, SSE_DONE, BadRequest, browser_guard,
                    client_disconnected, error_body, error_response, event_stream, number, openai_app, parse_json_body,
                    read_body, sse)
+from .limits import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_QUEUE, ClientLimits, Limited, Slot
 from .tools import ToolCallStream, check_tools, parse_tool_calls, template_tool_calls
 
 log = logging.getLogger("aloepri.serving.proxy")
@@ -307,13 +308,15 @@ class Proxy:
     ``max_tokens_limit``: a ceiling on the reply length set by the operator. A request's ``max_tokens`` is capped
     at both (at the context less the prompt). ``api_keys``: the keys a client must send (none: open).
     ``max_request_bytes``: the largest request body (413 above). ``allowed_hosts`` / ``allowed_origins``: the
-    ``Host`` names and browser ``Origin`` headers answered (see :func:`aloepri.serving.http.browser_guard`)."""
+    ``Host`` names and browser ``Origin`` headers answered (see :func:`aloepri.serving.http.browser_guard`).
+    ``limits``: each client's request rate, requests in flight and queue (:class:`~aloepri.serving.limits.ClientLimits`;
+    default: the default concurrency and queue, no rate limit); over them, 429 with ``Retry-After``."""
 
     def __init__(self, client: AsyncClient, model_name: str, *, log_plaintext: bool = False,
                  chat_max_tokens: int | None = None, context_len: int | None = None,
                  max_tokens_limit: int | None = None, api_keys: list[str] | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None,
-                 allowed_origins: list[str] | None = None):
+                 allowed_origins: list[str] | None = None, limits: ClientLimits | None = None):
         self.client = client
         self.model_name = model_name
         self.log_plaintext = log_plaintext
@@ -324,6 +327,7 @@ class Proxy:
         self.max_request_bytes = max_request_bytes
         self.allowed_hosts = list(LOOPBACK_NAMES) + list(allowed_hosts or [])
         self.allowed_origins = list(allowed_origins or [])
+        self.limits = limits if limits is not None else ClientLimits()
         self.created = int(time.time())
         self.in_flight = 0
 
@@ -351,10 +355,11 @@ class Proxy:
         from starlette.responses import JSONResponse
 
         guard = self.client.core.guard
+        counts = {"in_flight": self.in_flight, "queued": self.limits.queued}
         if guard.status == "mismatch":
-            return JSONResponse({"status": "error", "in_flight": self.in_flight, "key_check": guard.status,
-                                 "detail": guard.problem}, status_code=503)
-        return JSONResponse({"status": "ok", "in_flight": self.in_flight, "key_check": guard.status})
+            return JSONResponse({"status": "error", **counts, "key_check": guard.status, "detail": guard.problem},
+                                status_code=503)
+        return JSONResponse({"status": "ok", **counts, "key_check": guard.status})
 
     def _model_entry(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "aloepri-proxy"}
@@ -452,20 +457,48 @@ class Proxy:
         ask.stream, ask.include_usage = stream, include_usage
         return ask, logged
 
+    def _client_id(self, request) -> str:
+        """Whose limits a request counts against: its API key when the proxy has keys (the key guard has checked
+        it), else its address."""
+        if self.api_keys:
+            auth = request.headers.get("authorization", "")
+            return "key:" + auth[7:].strip()
+        return "addr:" + (request.client.host if request.client else "")
+
     async def _endpoint(self, request, kind: str, id_prefix: str, parse):
         import anyio
 
         rid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
         t0 = time.perf_counter()
+        who = self._client_id(request)
+        slot = None
         try:
+            self.limits.check_rate(who)
             raw = await read_body(request, self.max_request_bytes)
+            slot = self.limits.try_enter(who)
+            if slot is None:  # wait in the client's queue, unless the client leaves first
+                slot = await _unless_disconnected(request, self.limits.enter(who))
+                if slot is None:
+                    log.info("%s %s client disconnected while queued after %.0f ms", rid, kind,
+                             1e3 * (time.perf_counter() - t0))
+                    return error_response(499, "client closed the request")
             ask, (what, plaintext) = await anyio.to_thread.run_sync(self._parse, raw, kind, parse)
+        except Limited as e:
+            log.info("%s %s 429 %s", rid, kind, e.code)
+            return error_response(429, str(e), "rate_limit_error", code=e.code,
+                                  headers={"Retry-After": str(e.retry_after)})
         except BadRequest as e:
+            if slot is not None:
+                slot.release()
             log.info("%s %s %d %s", rid, kind, e.status, "unknown model" if e.status == 404 else e)
             return e.response()
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
         if self.log_plaintext:
             log.info("%s %s plaintext %s=%s", rid, kind, what, json.dumps(plaintext, ensure_ascii=False))
-        return await self._serve(request, rid, ask, t0)
+        return await self._serve(request, rid, ask, t0, slot)
 
     # -- shared
     def _capped_max_tokens(self, max_tokens: int | None, prompt_len: int, param: str) -> int | None:
@@ -478,7 +511,20 @@ class Proxy:
         bounds = [b for b in (max_tokens, *caps) if b is not None]
         return min(bounds) if bounds else None
 
-    async def _serve(self, request, rid: str, ask: _Ask, t0: float):
+    async def _serve(self, request, rid: str, ask: _Ask, t0: float, slot: Slot | None = None):
+        """Answer one parsed request; ``slot`` (its place among the client's requests in flight) is released
+        when the answer is complete: at once for a whole answer, when the stream closes for a stream."""
+        slot = slot or Slot(None, "")
+        streaming = False
+        try:
+            response = await self._answer(request, rid, ask, t0, slot)
+            streaming = ask.stream and response.status_code == 200
+            return response
+        finally:
+            if not streaming:
+                slot.release()
+
+    async def _answer(self, request, rid: str, ask: _Ask, t0: float, slot: Slot):
         from starlette.responses import JSONResponse
 
         kind, params = ask.kind, ask.params
@@ -515,7 +561,10 @@ class Proxy:
                 if not closed:
                     closed = True
                     self.in_flight -= 1
-                    await rs.aclose()
+                    try:
+                        await rs.aclose()
+                    finally:
+                        slot.release()
 
             return event_stream(self._sse(rs, rid, ask, t0), on_close)
         self.in_flight -= 1
@@ -689,16 +738,21 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
                 chat_max_tokens: int = 512, verify: bool = True, model_meta: str | None = None,
                 max_tokens_limit: int | None = None, client_api_key: str | list[str] | None = None,
                 upstream_wait: float = 0.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None) -> Proxy:
+                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
+                rate_limit: float | None = None, rate_burst: float | None = None,
+                max_concurrent: int | None = DEFAULT_MAX_CONCURRENT, max_queue: int = DEFAULT_MAX_QUEUE) -> Proxy:
     """Load the key and tokenizer, check the key where possible, and return the :class:`Proxy`.
+
+    ``backend``: the wire protocol, or ``"auto"``: probe the upstream and choose (:mod:`aloepri.serving.detect`;
+    the CLI's default); :class:`~aloepri.serving.detect.NoBackend` when it fits none.
 
     Key checks at start: the permutation must cover the tokenizer's vocabulary (and the upstream's, where its
     /v1/models tells it; a damaged key is refused, not left to fail every request); against ``model_meta`` (a
     local copy of the server directory's aloepri_model.json) if given, and against the fingerprint the upstream
-    lists in /v1/models if it lists one (``aloepri serve-local`` does; vLLM and llama.cpp do not). A mismatch
-    raises KeyMismatchError. After that (unless ``verify`` is off) every reply is checked before it is decoded, so
-    a server restarted with another model is refused, not decoded into garbage: see
-    :class:`aloepri.serving.client.UpstreamGuard`.
+    publishes: in /v1/models (``aloepri serve-local``) or in llama.cpp's /props (the chat template of a GGUF
+    written by ``aloepri export-gguf`` carries it; vLLM publishes none). A mismatch raises KeyMismatchError. After
+    that (unless ``verify`` is off) every reply is checked before it is decoded, so a server restarted with
+    another model is refused, not decoded into garbage: see :class:`aloepri.serving.client.UpstreamGuard`.
 
     ``upstream_wait``: seconds to keep asking an upstream that is not up yet (started together with the proxy)
     before giving up with UpstreamUnreachable; 0 starts without it (its first answer is then checked).
@@ -708,27 +762,38 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
 
     ``max_tokens`` of a request is capped at the model's context less the prompt (the context from the
     upstream's /v1/models, else the source checkpoint's config.json) and at ``max_tokens_limit`` if given.
+
+    ``rate_limit`` (requests per second, bursts of ``rate_burst``), ``max_concurrent`` and ``max_queue``: each
+    client's limits (see :mod:`aloepri.serving.limits`; a client is its API key, else its address).
     """
-    from .client import (UpstreamGuard, UpstreamTimeout, UpstreamUnreachable, check_model_meta, listing_entries,
-                         context_in_listing, fingerprint_in_listing, normalize_base_url)
+    from .client import (BACKENDS, UpstreamGuard, UpstreamTimeout, UpstreamUnreachable, check_model_meta,
+                         context_in_listing, fingerprint_in_listing, listing_entries, normalize_base_url)
+    from .client.guard import fingerprint_in_props
     from ..keyfile import KeyFileError, check_fingerprint, load_key
 
     upstream = normalize_base_url(upstream)
     if max_tokens_limit is not None and max_tokens_limit < 1:
         raise ValueError(f"max_tokens_limit must be at least 1, not {max_tokens_limit}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose auto or one of {', '.join(BACKENDS)}")
+    limits = ClientLimits(rate_limit, rate_burst, max_concurrent, max_queue)
     keyfile = load_key(key) if not hasattr(key, "vocab_permutation") else key
     status = "unchecked"
     if model_meta:
         check_model_meta(keyfile, model_meta)
         status = "verified-local-meta"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    listing = None
+    listing, reachable = None, True
     try:
         listing = _wait_for_listing(upstream, headers, min(timeout, 10.0), upstream_wait)
     except (UpstreamUnreachable, UpstreamTimeout) as e:
         if upstream_wait > 0:
             raise UpstreamUnreachable(f"the upstream {upstream} did not answer within {upstream_wait:g} s ({e}); "
                                       "start it first, or give --upstream-wait SECONDS") from None
+        if backend == "auto":
+            raise UpstreamUnreachable(f"the upstream {upstream} is not reachable ({e}), so its protocol cannot be "
+                                      "probed: start it first, give --upstream-wait SECONDS, or --backend") from None
+        reachable = False
         log.warning("upstream not reachable at start (%s); the key will be checked against its first answer", e)
     entries = listing_entries(listing) or []
     if model is None and entries:
@@ -737,8 +802,15 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
     if upstream_vocab is not None and upstream_vocab > keyfile.vocab_size:
         raise KeyFileError(f"the key is damaged or belongs to another model: its permutation covers "
                            f"{keyfile.vocab_size} token ids, the upstream's model has {upstream_vocab}")
-    if verify and entries:
-        fp = fingerprint_in_listing(listing, model)
+    props = None
+    if backend == "auto":
+        detected = _detect(upstream, headers, min(timeout, 60.0), keyfile, model, server_tokenizer)
+        backend, props = detected.backend, detected.props
+        log.info("backend: %s, chosen because %s (--backend overrides)", backend, detected.reason)
+    elif backend == "llamacpp-native" and verify and reachable:
+        props = _llamacpp_props(upstream, headers, min(timeout, 10.0))
+    if verify and (entries or props):
+        fp = fingerprint_in_listing(listing, model) or fingerprint_in_props(props)
         if fp is not None:
             check_fingerprint(keyfile, fp, f"the model {upstream} serves")
             status = "verified-upstream"
@@ -757,7 +829,34 @@ def build_proxy(key, upstream: str, *, model: str | None = None, served_model_na
     return Proxy(client, served_model_name or model or STABLE_MODEL_NAME, log_plaintext=log_plaintext,
                  chat_max_tokens=chat_max_tokens, context_len=context_len, max_tokens_limit=max_tokens_limit,
                  api_keys=keys, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts,
-                 allowed_origins=allowed_origins)
+                 allowed_origins=allowed_origins, limits=limits)
+
+
+def _detect(upstream: str, headers: dict, timeout: float, key, model: str | None, server_tokenizer: Any):
+    """:func:`aloepri.serving.detect.detect_backend` over a fresh connection, probing with the key's permuted
+    end-of-text id."""
+    import httpx2
+
+    from .client import make_backend
+    from .detect import detect_backend
+
+    eos = key.obfuscated_eos_ids()
+    probe_id = eos[0] if eos else int(key.encode_ids([0])[0])
+    codec = make_backend("openai-text", server_tokenizer, key.vocab_size).codec
+    with httpx2.Client(timeout=timeout) as http:
+        return detect_backend(http, upstream, headers, probe_id, model, codec)
+
+
+def _llamacpp_props(upstream: str, headers: dict, timeout: float) -> dict | None:
+    """llama.cpp's /props (None when the server has none)."""
+    import httpx2
+
+    from .client import upstream_errors
+    from .detect import llamacpp_props
+
+    with upstream_errors("connect", upstream):
+        r = httpx2.get(upstream + "/props", headers=headers, timeout=timeout)
+    return llamacpp_props(r.status_code, r.content)
 
 
 def _wait_for_listing(upstream: str, headers: dict, timeout: float, wait: float) -> Any:

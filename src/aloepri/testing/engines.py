@@ -1,5 +1,6 @@
-"""Inference engines as servers in their own process, for tests and experiments: llama-cpp-python's and vLLM's
-OpenAI servers on a free loopback port, each in its own process group that is always stopped as a whole.
+"""Inference engines as servers in their own process, for tests and experiments: llama.cpp's C++ llama-server,
+llama-cpp-python's and vLLM's OpenAI servers on a free loopback port, each in its own process group that is always
+stopped as a whole.
 
 One harness for both callers: the tests (tests/serving/test_proxy.py, tests/serving/test_vllm.py) and the serving
 experiments (benchmarks/experiments/serving_cost.py, llamacpp_serving.py, vllm_bf16.py)."""
@@ -142,6 +143,50 @@ class LlamaCppServer(EngineServer):
                 out.append(cur)
                 cur = {}
         return out
+
+
+# llama.cpp's C++ server, built by .ci/build-llama-server from the llama.cpp that llama-cpp-python's sdist vendors
+# (the version the `llamacpp` extra pins, tests/serving/test_llama_server.py checks they agree)
+LLAMA_SERVER_VERSION = "0.3.36"
+
+
+def llama_server_binary() -> tuple[Path | None, str]:
+    """The ``llama-server`` binary: ``$ALOEPRI_LLAMA_SERVER``, else the one .ci/build-llama-server caches in
+    ``~/.cache/aloepri/llama-server-VERSION/``; (None, why) when there is none."""
+    given = os.environ.get("ALOEPRI_LLAMA_SERVER")
+    path = Path(given) if given else (Path.home() / ".cache" / "aloepri" / f"llama-server-{LLAMA_SERVER_VERSION}"
+                                      / "llama-server")
+    if os.access(path, os.X_OK) and path.is_file():
+        return path, ""
+    if given:
+        return None, f"$ALOEPRI_LLAMA_SERVER={given} is not an executable file"
+    return None, (f"no llama-server at {path}: build it with .ci/build-llama-server {LLAMA_SERVER_VERSION} "
+                  "(.ci/run does, once per machine) or point $ALOEPRI_LLAMA_SERVER at one")
+
+
+class LlamaServer(EngineServer):
+    """llama.cpp's C++ ``llama-server`` on a GGUF: ``threads`` for decoding and prompt batches, ``slots`` requests
+    decoded side by side (``n`` choices of one request take one slot each), each slot with ``n_ctx`` tokens of
+    context (--kv-unified off: the cache is split between slots), f32 KV cache, no web UI. Ready once /health
+    answers 200 (it answers 503 while the model loads)."""
+
+    name = "llama-server"
+    ready_path = "/health"
+
+    def __init__(self, gguf, log_path, n_ctx: int = 512, alias: str = "model", start_timeout: float = 180.0,
+                 threads: int = 1, slots: int = 2, binary: Path | None = None, extra: tuple[str, ...] = ()):
+        super().__init__(log_path, start_timeout)
+        self.binary = binary or llama_server_binary()[0]
+        if self.binary is None:
+            raise RuntimeError(llama_server_binary()[1])
+        self.gguf, self.n_ctx, self.alias, self.threads, self.slots = gguf, n_ctx, alias, threads, slots
+        self.extra = tuple(extra)
+
+    def command(self, port: int) -> list[str]:
+        return [str(self.binary), "--model", str(self.gguf), "--alias", self.alias, "--threads", str(self.threads),
+                "--threads-batch", str(self.threads), "--ctx-size", str(self.n_ctx * self.slots),
+                "--parallel", str(self.slots), "--cache-type-k", "f32", "--cache-type-v", "f32", "--no-webui",
+                "--host", "127.0.0.1", "--port", str(port), *self.extra]
 
 
 def vllm_env(workdir: Path, threads: int = 1) -> dict[str, str]:

@@ -3,6 +3,7 @@ length, identity), and :class:`UpstreamGuard`, which lets a reply be decoded onl
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,9 @@ from ...keyfile import KeyFile, check_fingerprint
 from .errors import UpstreamModelMismatch
 
 FINGERPRINT_HEADER = "x-aloepri-model-fingerprint"  # aloepri serve-local stamps every answer with it (public)
+# llama.cpp's llama-server publishes no GGUF metadata but the chat template (in /props): the template of a GGUF
+# written by `aloepri export-gguf` is a Jinja comment naming the fingerprint (aloepri.export.gguf.FINGERPRINT_TEMPLATE)
+_TEMPLATE_FINGERPRINT = re.compile(r"aloepri model_fingerprint=([0-9a-f]{16,128})\b")
 
 
 def listing_of(status: int, body: bytes) -> Any:
@@ -33,6 +37,14 @@ def fingerprint_in_listing(listing: Any, model: str | None = None) -> str | None
             if model is None or m.get("id") == model or len(entries) == 1:
                 return str(meta["model_fingerprint"])
     return None
+
+
+def fingerprint_in_props(props: Any) -> str | None:
+    """The model fingerprint in llama.cpp's ``/props`` answer (its ``chat_template``, see
+    :data:`aloepri.export.gguf.FINGERPRINT_TEMPLATE`), if any."""
+    template = props.get("chat_template") if isinstance(props, dict) else None
+    found = _TEMPLATE_FINGERPRINT.search(template) if isinstance(template, str) else None
+    return found.group(1) if found else None
 
 
 def listing_entries(listing: Any) -> list[dict] | None:
@@ -58,14 +70,21 @@ def listing_identity(listing: Any) -> tuple | None:
 
 def context_in_listing(listing: Any, model: str | None = None) -> int | None:
     """The context length a /v1/models answer gives for ``model`` (or the only/first entry): ``max_model_len``
-    (vLLM, aloepri serve-local) or llama.cpp's ``meta.n_ctx_train``; None if it gives none."""
+    (vLLM, aloepri serve-local), or llama.cpp's ``meta``: the context of one of its slots (``n_ctx``: what one
+    request may fill), at most the model's (``n_ctx_train``); None if it gives none."""
     entries = listing_entries(listing) or []
     chosen = [m for m in entries if m.get("id") == model] or entries[:1]
+
+    def positive(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
     for m in chosen:
+        if positive(m.get("max_model_len")):
+            return m["max_model_len"]
         meta = m.get("meta") if isinstance(m.get("meta"), dict) else {}
-        for v in (m.get("max_model_len"), meta.get("n_ctx_train")):
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
+        sizes = [v for v in (positive(meta.get("n_ctx")), positive(meta.get("n_ctx_train"))) if v]
+        if sizes:
+            return min(sizes)
     return None
 
 

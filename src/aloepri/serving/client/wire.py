@@ -7,7 +7,8 @@ server's base URL.
     ``choices[0].token_ids`` (vLLM's field; ``aloepri serve-local`` speaks it too).
 ``llamacpp-native``
     llama.cpp's own ``POST /completion`` with ``prompt: [ids]`` and ``return_tokens: true``; the ids come back in
-    ``tokens`` (the C++ ``llama-server``).
+    ``tokens`` (the C++ ``llama-server``), ``n`` choices as a list of answers (or events) with their ``index``,
+    and logprobs (``n_probs``) in ``completion_probabilities``, each labelled by token ``id``.
 ``openai-text``
     the paper's text path: ``POST /v1/completions`` with the permuted ids rendered as *text* by the server's
     neutral tokenizer (a :class:`TextCodec`); the server re-tokenizes, and its text reply is tokenized back
@@ -338,27 +339,79 @@ class _LlamaCppCall(Call):
             return None
         return {"prompt_tokens": data.get("tokens_evaluated", 0), "completion_tokens": data["tokens_predicted"]}
 
-    def parse_response(self, data):
-        self._require(isinstance(data, dict), "not a JSON object")
-        if "tokens" not in data:
-            raise UpstreamProtocolError("the server returned no 'tokens': is it llama.cpp's server (return_tokens)?")
-        return Piece(_ids(data["tokens"], "tokens"), self._finish(data) or "stop", self._usage(data))
+    def __init__(self, path, body, top: int | None = None):
+        super().__init__(path, body)
+        self.top = top  # logprobs asked for: this many top entries per token (None: no logprobs)
 
-    def parse_event(self, data):
+    @staticmethod
+    def _index(data: dict) -> int:
+        index = data.get("index", 0)
+        Call._require(isinstance(index, int) and not isinstance(index, bool) and index >= 0, "'index'")
+        return index
+
+    def _logprobs(self, data: dict, ids: list[int]) -> list[ServerLogprob] | None:
+        """llama.cpp's ``completion_probabilities`` (one entry per token, each labelled by ``id``)."""
+        if self.top is None or not ids:
+            return None
+        probs = data.get("completion_probabilities")
+        self._require(isinstance(probs, list) and len(probs) == len(ids),
+                      "completion_probabilities does not have one entry per token (does it support n_probs?)")
+        out = []
+        for entry, sid in zip(probs, ids):
+            self._require(isinstance(entry, dict) and entry.get("id") == sid and _number(entry.get("logprob")),
+                          "a completion_probabilities entry does not name its token id and logprob")
+            top = entry.get("top_logprobs") or []
+            self._require(isinstance(top, list) and all(isinstance(t, dict) and _token_id(t.get("id"))
+                                                          and _number(t.get("logprob")) for t in top),
+                          "completion_probabilities[].top_logprobs")
+            out.append((float(entry["logprob"]), [(t["id"], float(t["logprob"])) for t in top[:self.top]]))
+        return out
+
+    def _piece(self, data: Any, final: bool) -> Piece:
         self._require(isinstance(data, dict), "not a JSON object")
         ids = data.get("tokens")
         if ids is None:
+            if final:
+                raise UpstreamProtocolError("the server returned no 'tokens': is it llama.cpp's server "
+                                            "(return_tokens)?")
             if data.get("content"):
                 raise UpstreamProtocolError("the server streamed text without 'tokens'")
             ids = []
-        return Piece(_ids(ids, "tokens"), self._finish(data), self._usage(data))
+        ids = _ids(ids, "tokens")
+        finish = self._finish(data)
+        return Piece(ids, (finish or "stop") if final else finish, self._usage(data), self._index(data),
+                     self._logprobs(data, ids))
+
+    def parse_response(self, data):
+        return self._piece(data, final=True)
+
+    def parse_event(self, data):
+        return self._piece(data, final=False)
+
+    def parse_response_all(self, data):
+        """One answer, or (``n`` > 1) a list of them, one per choice."""
+        if isinstance(data, list):
+            self._require(bool(data), "an empty list of answers")
+            return [self._piece(d, final=True) for d in data]
+        return [self._piece(data, final=True)]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _token_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class LlamaCppNativeBackend(Backend):
-    """llama.cpp's native ``/completion``: ``prompt`` as ids, ``return_tokens`` for the ids back."""
+    """llama.cpp's native ``/completion``: ``prompt`` as ids, ``return_tokens`` for the ids back; ``n`` choices
+    (llama-server's ``n_cmpl``, alias ``n``) and logprobs (``n_probs``: logprobs of the whole distribution, before
+    sampling, as vLLM gives them), both labelled by token id."""
 
     name = "llamacpp-native"
     ends_with_done = False
+    features = frozenset({"n", "logprobs"})
 
     def start(self, server_ids, params, max_tokens, stream, model, key):
         body: dict[str, Any] = {"prompt": server_ids, "return_tokens": True, "stream": stream, "cache_prompt": True,
@@ -370,7 +423,11 @@ class LlamaCppNativeBackend(Backend):
         bias = _mapped_logit_bias(params, key)
         if bias:
             body["logit_bias"] = [[int(k), v] for k, v in bias.items()]
-        return _LlamaCppCall("/completion", body)
+        if params.n != 1:
+            body["n"] = params.n
+        if params.logprobs is not None:  # llama.cpp gives the sampled token's logprob only along with the top ones
+            body["n_probs"] = max(params.logprobs, 1)
+        return _LlamaCppCall("/completion", body, params.logprobs)
 
 
 class _TextCall(Call):
