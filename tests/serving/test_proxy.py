@@ -219,8 +219,8 @@ def llamacpp(smol, smollm2_exact, tmp_path_factory):
     """Two llama.cpp servers (llama-cpp-python's OpenAI server, one thread, f32 KV cache, n_ctx 512), each in
     its own process on loopback: the obfuscated SmolLM2 (exact preset) exported to f32 GGUF, and the plaintext
     SmolLM2 exported the same way (same f32 weights the obfuscation started from). A recording forwarder sits
-    between `aloepri proxy` (text backend: llama-cpp-python's server takes no int prompts) and the obfuscated
-    server, so the test sees every byte that server received and sent."""
+    between `aloepri proxy` (no backend given: it finds the text backend, llama-cpp-python's server takes no int
+    prompts) and the obfuscated server, so the test sees every byte that server received and sent."""
     if not _llama_cpp_server_available():
         pytest.skip("llama-cpp-python[server] is not installed")
     from aloepri.export.gguf import export_gguf, plaintext_reference_dir
@@ -239,9 +239,12 @@ def llamacpp(smol, smollm2_exact, tmp_path_factory):
         plain_url = stack.enter_context(LlamaCppServer(work / "plain.gguf", work / "plain.log", alias="plain"))
         recorder = Recorder(Forwarder(obf_url))
         tap = stack.enter_context(ServerThread(recorder))
-        proxy = build_proxy(key_path, tap, tokenizer=smol, backend="openai-text",
+        # no backend given: the proxy probes llama-cpp-python's server (no /props, no int prompts, neutral text
+        # back) and takes the text path
+        proxy = build_proxy(key_path, tap, tokenizer=smol, backend="auto",
                             model_meta=str(server_dir / "aloepri_model.json"))
         url = stack.enter_context(ServerThread(proxy.app()))
+        assert proxy.client.core.backend.name == "openai-text"
         assert proxy.fingerprint_status == "verified-local-meta"
         yield {"proxy": url, "tap": tap, "plain": plain_url, "recorder": recorder, "core": proxy.client.core}
 

@@ -131,8 +131,8 @@ def plaintext_on_vllm(vllm_py, smollm2_exact, obfuscated_on_vllm, tmp_path_facto
 @pytest.fixture(scope="module")
 def obfuscated_on_vllm(vllm_py, smollm2_exact, tmp_path_factory):
     """The exact-preset server directory served as shipped (its neutral tokenizer, permuted EOS in
-    generation_config.json) by vLLM in float32; a recording tap in front of it and `aloepri proxy` (default
-    backend) in front of the tap. Every question is asked through the proxy with the official openai client,
+    generation_config.json) by vLLM in float32; a recording tap in front of it and `aloepri proxy` (no backend
+    given: it finds openai-completions) in front of the tap. Every question is asked through the proxy with the official openai client,
     streaming and not, and once with the Python SDK straight to vLLM; then everything is stopped."""
     smol, server_dir, key_path = smollm2_exact
     work = tmp_path_factory.mktemp("vllm-obf")
@@ -143,7 +143,9 @@ def obfuscated_on_vllm(vllm_py, smollm2_exact, tmp_path_factory):
             url = stack.enter_context(vllm)
             recorder = Recorder(Forwarder(url))
             tap = stack.enter_context(ServerThread(recorder))
-            proxy = build_proxy(key_path, tap, tokenizer=smol, model_meta=str(server_dir / "aloepri_model.json"))
+            proxy = build_proxy(key_path, tap, tokenizer=smol, model_meta=str(server_dir / "aloepri_model.json"),
+                                backend="auto")  # as the CLI: probed, not given
+            results["backend"] = proxy.client.core.backend.name
             proxy_url = stack.enter_context(ServerThread(proxy.app()))
             sdk = openai.OpenAI(base_url=proxy_url + "/v1", api_key="unused", max_retries=0, timeout=300)
             for q, stream in CASES:
@@ -226,6 +228,10 @@ def test_openai_sdk_through_proxy_on_vllm_equals_plaintext_on_vllm(vllm_py, smol
     for word in sorted(w for w in words if len(w) > 3):
         assert word.encode() not in raw, word
     assert "stop" not in body  # stop strings never leave the client
+
+
+def test_the_proxy_finds_vllms_token_id_completions(obfuscated_on_vllm):
+    assert obfuscated_on_vllm["backend"] == "openai-completions"
 
 
 def test_sdk_straight_to_vllm_equals_plaintext(vllm_py, plaintext_on_vllm, obfuscated_on_vllm):

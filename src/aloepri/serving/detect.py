@@ -33,26 +33,26 @@ class Detected:
     tried: list[str] = field(default_factory=list)
 
 
-def llamacpp_props(status: int, body: bytes) -> dict | None:
-    """llama.cpp's ``/props`` answer as a dict, or None when the answer is not one."""
+def _json(status: int, body: bytes) -> Any:
+    """The JSON of a 200 answer; None for any other status or a body that is not JSON."""
     if status != 200:
         return None
     try:
-        props = json.loads(body)
+        return json.loads(body)
     except ValueError:
         return None
+
+
+def llamacpp_props(status: int, body: bytes) -> dict | None:
+    """llama.cpp's ``/props`` answer as a dict, or None when the answer is not one."""
+    props = _json(status, body)
     if isinstance(props, dict) and ("default_generation_settings" in props or "build_info" in props):
         return props
     return None
 
 
 def _first_choice(status: int, body: bytes) -> dict | None:
-    if status != 200:
-        return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
+    data = _json(status, body)
     choices = data.get("choices") if isinstance(data, dict) else None
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0]
