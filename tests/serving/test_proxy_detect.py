@@ -151,3 +151,22 @@ def test_an_unreachable_upstream_cannot_be_probed(key):
     with pytest.raises(UpstreamUnreachable, match="cannot be probed"):
         build_proxy(key, url, tokenizer=CharTokenizer(), backend="auto")
     assert build_proxy(key, url, tokenizer=CharTokenizer()).client.core.backend.name == "openai-completions"
+
+
+def test_the_exported_gguf_names_its_fingerprint_where_llama_server_shows_it(obfuscated, tmp_path):
+    """The chat template of a GGUF written by `aloepri export-gguf` is a Jinja comment naming the fingerprint
+    (llama-server shows the template in /props, and nothing else of the file), which the proxy reads back."""
+    import gguf
+    import jinja2
+
+    from aloepri.export.gguf import export_gguf
+    from aloepri.serving.client.guard import fingerprint_in_props
+
+    server_dir, key = obfuscated("llama")
+    export_gguf(server_dir, tmp_path / "m.gguf", "f32")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    template = bytes(fields["tokenizer.chat_template"].parts[-1]).decode()
+    assert bytes(fields["aloepri.model_fingerprint"].parts[-1]).decode() == key.model_fingerprint
+    assert fingerprint_in_props({"chat_template": template}) == key.model_fingerprint
+    assert jinja2.Template(template).render(messages=[{"role": "user", "content": "hi"}]) == ""  # renders nothing
+    assert fingerprint_in_props({"chat_template": "{{ messages }}"}) is None and fingerprint_in_props(None) is None
