@@ -23,9 +23,33 @@ def test_obfuscate_then_verify_tiny_without_tokenizer(tiny_dir, tmp_path, capsys
     rc = main(["verify", str(tiny_dir("qwen2")), str(out), "--key", str(key), "--no-tokenizer", "--prompts", "3",
                "--greedy-tokens", "5"])
     assert rc == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
     assert report["top1_agreement"] == 1.0 and report["greedy_match_rate"] == 1.0
     assert report["max_logit_error"] < 1e-4
+    # a float32 output is read against plaintext itself, and says so in one word
+    assert report["verdict"] == "lossless" and report["reference"]["top1_agreement"] == 1.0
+    assert "fidelity: lossless" in captured.err
+
+
+def test_verify_reads_a_bfloat16_output_against_plaintext_at_bfloat16(tiny_dir, tmp_path, capsys):
+    """A lossless obfuscation written in bfloat16 is read against plaintext rounded to bfloat16 on the same prompts
+    (measured in the same run), so its rounding loss reads as 'as plaintext at bfloat16', not as a broken model;
+    a noisy one stays 'lossy' (negative control)."""
+    verdicts = {}
+    for preset in ("default", "noisy"):
+        out, key = tmp_path / preset, tmp_path / f"{preset}.key"
+        assert main(["obfuscate", str(tiny_dir("qwen2")), str(out), "--key-out", str(key), "--preset", preset,
+                     "--seed", "11", "--allow-weak-seed", "--dtype", "bfloat16", "--quiet"]) == 0
+        capsys.readouterr()
+        assert main(["verify", str(tiny_dir("qwen2")), str(out), "--key", str(key), "--no-tokenizer", "--prompts",
+                     "6", "--greedy-tokens", "6", "--quiet"]) == 0
+        captured = capsys.readouterr()
+        report = json.loads(captured.out)
+        assert "bfloat16" in report["reference"]["what"] and 0 < report["reference"]["top1_agreement"] <= 1
+        assert report["verdict"] in captured.err and "reference" in captured.err
+        verdicts[preset] = report["verdict"]
+    assert verdicts == {"default": "as plaintext at bfloat16", "noisy": "lossy"}
 
 
 def test_overrides_change_the_artifact(tiny_dir, tmp_path, capsys):
@@ -62,7 +86,8 @@ def test_verify_holds_one_model_at_a_time_with_the_same_numbers(tiny_dir, tmp_pa
     one_model_at_a_time(monkeypatch)
     assert main(["verify", str(tiny_dir("qwen2")), str(out), "--key", str(key_path), "--no-tokenizer",
                  "--prompts", "4", "--greedy-tokens", "6"]) == 0
-    assert json.loads(capsys.readouterr().out) == both
+    printed = json.loads(capsys.readouterr().out)
+    assert {k: printed[k] for k in both} == both and printed["verdict"] == "lossy"
     assert 0 < both["mean_kl"] and both["top1_agreement"] < 1
 
 
