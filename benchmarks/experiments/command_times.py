@@ -127,6 +127,6 @@ CONFIGS = {"smollm2": Settings(),
            "wall-only": Settings(commands=("verify", "eval_fidelity", "audit_ci", "attack_all_ci", "tune")),
            "quick": Settings(commands=("verify", "eval_fidelity")),
            "smoke": Settings(commands=("verify",))}
-DOCS = ("README.md",)
+DOCS = ("docs/audit.md",)
 NOTES = ("a shared machine's load inflates every figure (the load average is recorded); tune skips the attacks "
          "that cannot change its choice, so its time depends on how many settings the accuracy budget admits")

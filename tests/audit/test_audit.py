@@ -402,3 +402,22 @@ def test_smollm2_lossless_audit_reads_the_prompts(tmp_path):
     assert rep.data["fidelity"]["top1_agreement"] > 0.99
     assert rep.worst_prompt_token_recovery >= 0.9
     assert rep.verdict[PROVIDER]["level"] == "reads"
+
+
+def test_the_docs_list_exactly_the_attacks_each_budget_runs():
+    """docs/audit.md's budget table and the guide's `ci` list name the attacks plan.py runs (a doc that left the
+    log reader's decipherers out of `ci` misled users once)."""
+    from aloepri.audit.plan import PLAN
+
+    repo = Path(__file__).resolve().parents[2]
+    table = (repo / "docs" / "audit.md").read_text()
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(ci|small|full)` \| (.*) \|$", table, re.M)}
+    listed: set[str] = set()
+    for budget in ("ci", "small", "full"):
+        listed |= {w.strip() for w in re.sub(r"\(MoE only\)|`\w+` \+", "", rows[budget]).split(",")}
+        planned = {p.name for p in PLAN if budget in p.budgets}
+        assert listed == planned, (budget, listed ^ planned)
+    guide = (repo / "docs" / "guide" / "audit.md").read_text()
+    for p in PLAN:
+        if "ci" in p.budgets:
+            assert p.name in guide, p.name
