@@ -16,7 +16,8 @@ __all__ = ["REGISTRY", "UNAVAILABLE", "AttackResult", "AttackTarget", "Budget", 
 
 UNAVAILABLE: dict[str, str] = {}  # module -> why it could not be loaded
 
-for _name in ("frequency", "isa", "ima", "decipher", "routing_leak", "behavioural", "stream_decipher"):
+for _name in ("frequency", "isa", "ima", "decipher", "routing_leak", "behavioural", "stream_decipher",
+              "log_reader"):
     try:
         importlib.import_module(f"{__name__}.{_name}")
     except ModuleNotFoundError as _err:

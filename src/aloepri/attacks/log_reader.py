@@ -27,6 +27,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
+from .base import register
 from .behavioural import template_anchors
 from .stream_decipher import DecipherResult, ObservedStream, adjacency, anneal_mapping
 
@@ -39,7 +40,7 @@ class CandidateModel:
     candidates (log P of it = ``unk_logp``; from it, the unigram)."""
 
     def __init__(self, reference: Sequence[Sequence[int]], cols: np.ndarray, vocab_size: int, lam: float = 0.8,
-                 add: float = 0.1):
+                 add: float = 0.1, lm_next: sp.csr_matrix | None = None, lm_weight: float = 0.5):
         self.cols = cols
         c = len(cols)
         index = np.full(vocab_size, c, np.int64)
@@ -59,7 +60,13 @@ class CandidateModel:
         pairs = sp.coo_matrix((np.ones(int(ok.sum())), (a[ok], b[ok])), shape=(c, c)).tocsr()
         pairs.sum_duplicates()
         coo = pairs.tocoo()
-        lift = np.log1p(lam * coo.data / (ctx[coo.row] * (1 - lam) * p[coo.col]))
+        cond = sp.csr_matrix((coo.data / ctx[coo.row], (coo.row, coo.col)), shape=(c, c))
+        if lm_next is not None:
+            # the public model's next-token distribution after each candidate (its top successors), mixed in
+            cond = (1 - lm_weight) * cond + lm_weight * lm_next
+            cond.sum_duplicates()
+        coo = cond.tocoo()
+        lift = np.log1p(lam * coo.data / ((1 - lam) * p[coo.col]))
         self.base = np.log((1 - lam) * p).astype(np.float32)
         self.lift = sp.csr_matrix((lift.astype(np.float32), (coo.row, coo.col)), shape=(c, c))
         self.lift_t = self.lift.T.tocsr()
@@ -72,6 +79,32 @@ class CandidateModel:
         if both.any():
             out[both] += np.asarray(self.lift[a[both], b[both]]).ravel()
         return out
+
+
+def lm_successors(model, cols: np.ndarray, top: int = 64, batch: int = 512, device=None) -> sp.csr_matrix:
+    """(C, C) sparse: for each candidate token alone as context, the public model's probabilities of its ``top``
+    likeliest next tokens among the candidates (one forward pass per candidate; its bigram view of the language,
+    from far more text than the observer's reference). Rows sum to at most 1."""
+    import torch
+
+    c = len(cols)
+    if device is None:
+        params = getattr(model, "parameters", None)
+        first = next(params(), None) if callable(params) else None
+        device = first.device if first is not None else torch.device("cpu")
+    dev = device
+    cols_t = torch.as_tensor(cols, device=dev)
+    rows, idx, vals = [], [], []
+    with torch.no_grad():
+        for a in range(0, c, batch):
+            ids = torch.as_tensor(cols[a:a + batch], device=dev)[:, None]
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()
+            prob = torch.softmax(logits, dim=-1)[:, cols_t]
+            v, j = torch.topk(prob, min(top, c), dim=1)
+            rows.append(np.repeat(np.arange(a, a + len(ids)), v.shape[1]))
+            idx.append(j.cpu().numpy().ravel())
+            vals.append(v.cpu().numpy().ravel())
+    return sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(idx))), shape=(c, c))
 
 
 def log_likelihood(model: CandidateModel, pairs: sp.coo_matrix, m: np.ndarray, total: int) -> float:
@@ -174,8 +207,10 @@ def match(top: np.ndarray, val: np.ndarray, n_cols: int, fixed: dict[int, int]) 
 def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference: Sequence[Sequence[int]],
                   prefix: Sequence[int] = (), suffix: Sequence[int] = (), *, init: dict[int, int] | None = None,
                   max_candidates: int = 12_000, candidates_per_id: float = 2.5, top_k: int = 12,
-                  temperatures: Sequence[float] = (8.0, 4.0, 2.0, 1.0, 0.5), block_rounds: int = 8,
-                  anneal_steps: int = 200, anneal_candidates: int = 8_000, seed: int = 0,
+                  temperatures: Sequence[float] = (8.0, 4.0, 2.0, 1.0, 0.5), mf_iterations: int = 1,
+                  damping: float = 0.0, sinkhorn_rounds: int = 3, block_rounds: int = 20,
+                  anneal_steps: int = 400, anneal_candidates: int = 8_000, anneal_t_start: float = 4.0, seed: int = 0,
+                  lm=None, lm_weight: float = 0.5,
                   progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
 
@@ -195,7 +230,8 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     n_cand = int(min(len(seen), max(max_candidates, candidates_per_id * n)))
     cols = seen[np.argsort(-ref_counts[seen], kind="stable")][:n_cand]
     cols = np.concatenate([cols, np.setdiff1d(np.fromiter(anchors.values(), np.int64, len(anchors)), cols)])
-    model = CandidateModel(reference, cols, vocab_size)
+    lm_next = lm_successors(lm, cols) if lm is not None else None
+    model = CandidateModel(reference, cols, vocab_size, lm_next=lm_next, lm_weight=lm_weight)
     c = len(cols)
     fixed = {r: int(model.index[p]) for r, p in anchors.items()}
     fixed_rows = np.array(sorted(fixed), np.int64)
@@ -228,14 +264,16 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     belief = onehot(fix(np.full(n, c, np.int64)), c)
     top, val = top_scores(model, left, right, belief, counts, total, top_k)
     for temp in temperatures:
-        z = val.astype(np.float64) / temp
-        prob = np.exp(z - z.max(axis=1, keepdims=True))
-        prob /= prob.sum(axis=1, keepdims=True)
-        for r in fixed_rows:
-            top[r, 0] = fixed[r]
-        prob = sinkhorn_cap(top, prob, c, fixed_rows)
-        belief = _belief(top, prob, c)
-        top, val = top_scores(model, left, right, belief, counts, total, top_k)
+        for _ in range(mf_iterations):
+            z = val.astype(np.float64) / temp
+            prob = np.exp(z - z.max(axis=1, keepdims=True))
+            prob /= prob.sum(axis=1, keepdims=True)
+            for r in fixed_rows:
+                top[r, 0] = fixed[r]
+            prob = sinkhorn_cap(top, prob, c, fixed_rows, sinkhorn_rounds)
+            # damped: synchronous mean-field updates otherwise oscillate between two maps
+            belief = (1 - damping) * _belief(top, prob, c) + damping * belief if damping else _belief(top, prob, c)
+            top, val = top_scores(model, left, right, belief, counts, total, top_k)
         record({"stage": f"mean-field T={temp:g}"}, fix(top[np.arange(n), np.argmax(val, axis=1)]))
     starts = [("fresh", fix(match(top, val, c, fixed)))]
     record({"stage": "matching"}, starts[0][1])
@@ -255,7 +293,7 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
         record({"stage": f"{name}: block moves"}, m)
         if anneal_steps:
             m = anneal(model, left, right, counts, total, m, fixed, anneal_steps * n, anneal_candidates, top_k,
-                       int(rng.integers(1 << 30)))
+                       int(rng.integers(1 << 30)), anneal_t_start)
             record({"stage": f"{name}: annealing", "steps": anneal_steps * n}, m)
         ll = trace[-1]["log_likelihood"]
         if ll > best_ll:
@@ -291,7 +329,7 @@ def block_moves(model: CandidateModel, left, right, pairs, counts, total, m: np.
 
 
 def anneal(model: CandidateModel, left, right, counts, total, m: np.ndarray, fixed: dict[int, int], steps: int,
-           n_work: int, top_k: int, seed: int) -> np.ndarray:
+           n_work: int, top_k: int, seed: int, t_start: float = 2.0) -> np.ndarray:
     """Simulated annealing (``stream_decipher.anneal_mapping``: reassignments and swaps on the exact bigram
     likelihood) over a dense working set: the columns in use, each id's best columns, and the most frequent
     candidates up to ``n_work``. Ids on no candidate keep it."""
@@ -325,7 +363,123 @@ def anneal(model: CandidateModel, left, right, counts, total, m: np.ndarray, fix
     proposals = np.concatenate([prop, rank], axis=1)
     fixed_w = {r: int(start[r]) for r in frozen}
     out = anneal_mapping(left.astype(np.float64), right.astype(np.float64), prior, log_bigram, start, fixed_w,
-                         proposals, np.sqrt(counts), steps, t_start=2.0, seed=seed)
+                         proposals, np.sqrt(counts), steps, t_start=t_start, seed=seed)
     res = np.where(out < k, work[np.minimum(out, k - 1)], c)
     res[list(fixed)] = [fixed[r] for r in fixed]
     return res
+
+
+# --- the registered attacks' engine: the audit's observer of the logs, at a stated traffic volume ----------------
+
+# about a day of one user's ordinary use: some 100 requests of 200 tokens, chat template included
+DEFAULT_TRAFFIC_TOKENS = 20_000
+CURVE_POINTS = (1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
+
+
+def curve_volumes(traffic_tokens: int) -> list[int]:
+    """The volumes the curve is measured at: the fixed points below ``traffic_tokens``, then it."""
+    return [v for v in CURVE_POINTS if v < traffic_tokens] + [traffic_tokens]
+
+
+def audit_traffic(tokenizer, private_ids: Sequence[Sequence[int]], private_masks: Sequence[Sequence[bool]],
+                  traffic_tokens: int, seed: int) -> tuple[list[list[int]], list[np.ndarray], list[np.ndarray]]:
+    """The logs of ``traffic_tokens`` tokens: public PII-like prompts (``data.private_prompts`` under another Faker
+    seed: the same ten templates) with the client's private prompts spread evenly among them, every request
+    wrapped in the public chat template. Returns (plaintext requests, PII mask per request, user-text mask per
+    request: the template's tokens are False). Requests only: the model's replies are not in these logs."""
+    from .behavioural import chat_template_ids
+    from .data import private_prompts
+
+    pre, post = chat_template_ids(tokenizer)
+    own = [list(p) for p in private_ids]
+    own_masks = [list(m) for m in private_masks]
+    wrap = len(pre) + len(post)
+    need = traffic_tokens - sum(len(p) + wrap for p in own)
+    fill_ids: list[list[int]] = []
+    fill_masks: list[list[bool]] = []
+    if need > 0:
+        mean = max(1.0, float(np.mean([len(p) for p in own])) if own else 80.0) + wrap
+        extra = private_prompts(tokenizer, int(np.ceil(need / mean * 1.2)) + 5, seed + 1_000)
+        total = 0
+        for ids, mask in zip(extra.plain_ids, extra.pii_mask):
+            if total >= need:
+                break
+            fill_ids.append(list(ids))
+            fill_masks.append(list(mask))
+            total += len(ids) + wrap
+    # the client's prompts evenly through the day
+    order: list[tuple[list[int], list[bool]]] = list(zip(fill_ids, fill_masks))
+    step = max(1, (len(order) + len(own)) // max(1, len(own)))
+    for i, item in enumerate(zip(own, own_masks)):
+        order.insert(min(len(order), i * step + step // 2), item)
+    requests, pii, user = [], [], []
+    for ids, mask in order:
+        requests.append(list(pre) + ids + list(post))
+        pii.append(np.asarray([False] * len(pre) + [bool(x) for x in mask] + [False] * len(post)))
+        user.append(np.asarray([False] * len(pre) + [True] * len(ids) + [False] * len(post)))
+    return requests, pii, user
+
+
+def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
+    """The client's private prompts inside a day's logs (``budget.traffic_tokens`` tokens, default
+    ``DEFAULT_TRAFFIC_TOKENS``; see ``audit_traffic``) through the key, deciphered with public text (fortunes +
+    debian-reference) by ``decipher_logs`` at increasing volumes, each warm-started from the last. The attack's
+    figure is on the client's prompts at the full volume; ``metrics['curve']`` holds recovery of the prompt
+    (user-text) and PII tokens of all the traffic at each volume. ``with_lm``: the public model's successor
+    distributions join the reference's bigram model (``lm_successors``)."""
+    from .base import AttackResult, score_mapping
+    from .stream_decipher import public_reference
+
+    tok = target.tokenizer
+    traffic_tokens = int(getattr(budget, "traffic_tokens", None) or DEFAULT_TRAFFIC_TOKENS)
+    plain_reqs, pii, user = audit_traffic(tok, data.plain_ids, data.pii_mask, traffic_tokens, seed)
+    from .behavioural import chat_template_ids
+
+    pre, post = chat_template_ids(tok)
+    observed = [np.asarray(target.obfuscate_ids(r), np.int64) for r in plain_reqs]
+    vocab = max(len(tok), 1 + max(int(o.max()) for o in observed))
+    reference = public_reference(tok, int(max(300_000, 1_000_000 * min(1.0, 4 * budget.scale))))
+    steps = int(400 * min(1.0, max(0.25, 4 * budget.scale)))
+    lm = target.public_lm() if with_lm else None
+    ends = np.cumsum([len(r) for r in observed])
+    curve, init, res = [], None, None
+    for vol in curve_volumes(int(ends[-1])):
+        k = int(min(len(observed), np.searchsorted(ends, vol) + 1))
+        res = decipher_logs(observed[:k], vocab, reference, pre, post, init=init, anneal_steps=steps, seed=seed,
+                            lm=lm)
+        flat = np.concatenate(observed[:k])
+        truth = np.concatenate(plain_reqs[:k])
+        ok = res.obf_to_plain[flat] == truth
+        u, p = np.concatenate(user[:k]), np.concatenate(pii[:k])
+        curve.append({"tokens": int(len(flat)), "requests": k, "all_token_recovery": round(float(ok.mean()), 4),
+                      "prompt_token_recovery": round(float(ok[u].mean()), 4) if u.any() else None,
+                      "pii_token_recovery": round(float(ok[p].mean()), 4) if p.any() else None,
+                      "seconds": res.seconds})
+        seen = np.unique(flat)
+        init = {int(c): int(res.obf_to_plain[c]) for c in seen}
+    guess = np.full(len(target.true_permutation()), -1, np.int64)
+    guess[:len(res.obf_to_plain)] = res.obf_to_plain[:len(guess)]
+    metrics = score_mapping(target, data, guess, text_metrics=True)
+    metrics.update({"tokens_observed": int(ends[-1]), "requests_observed": len(observed), "anchors": res.anchors,
+                    "curve": curve, "traffic": "public PII-like prompts (Faker, the audit's ten templates, another "
+                    "seed) with the client's prompts among them, in the chat template; requests only"})
+    info = {"budget": budget.name, "reference": "fortunes + debian-reference", "traffic_tokens": int(ends[-1]),
+            "anneal_steps_per_id": steps, "seed": seed, "warm_started": True}
+    uses = (f"the logs: {int(ends[-1])} obfuscated ids in {len(observed)} requests; the public tokenizer and chat "
+            "template; public text (fortunes, debian-reference)" + ("; the public model (no obfuscated weights)"
+                                                                    if with_lm else "") + "; no key")
+    name = "stream-decipher-lm" if with_lm else "stream-decipher"
+    return AttackResult(name, metrics["ttrsr"], metrics["piirsr"], metrics, info, uses=uses)
+
+
+@register("stream-decipher")
+def stream_decipher(target, data, budget, seed: int = 0):
+    """Id-stream decipherment of a day's logs (``run_log_reader``: template anchors, sparse mean-field, matching,
+    block moves and annealing on a bigram model of public text, warm-started along the volume); no model."""
+    return run_log_reader(target, data, budget, seed, with_lm=False)
+
+
+@register("stream-decipher-lm", uses_engine=True)
+def stream_decipher_lm(target, data, budget, seed: int = 0):
+    """The same with the public model's next-token distributions joining the public text's bigram model."""
+    return run_log_reader(target, data, budget, seed, with_lm=True)

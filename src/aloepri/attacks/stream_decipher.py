@@ -35,7 +35,6 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, register, score_mapping
 from .behavioural import template_anchors
 
 
@@ -493,7 +492,7 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
     return DecipherResult(to_full(plain_of_row), len(fixed), trace, round(time.perf_counter() - t0, 1))
 
 
-# --- the registered attacks: the audit's observer of the logs ---------------------------------------------------
+# --- the observer's public text (the registered attacks: aloepri.attacks.log_reader) -----------------------------
 
 def public_reference(tokenizer, max_tokens: int) -> list[np.ndarray]:
     """The observer's text: fortunes + debian-reference (Debian packages; neither is the client's source), one
@@ -509,52 +508,3 @@ def public_reference(tokenizer, max_tokens: int) -> list[np.ndarray]:
             if total >= max_tokens:
                 return out
     return out
-
-
-def run_stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
-                        with_lm: bool = False) -> AttackResult:
-    """The client's private prompts as the logs show them (each wrapped in the public chat template, through the
-    key) deciphered with public text and, ``with_lm``, the public model. Volume = the prompts' tokens: the
-    figure is for that much traffic, and grows with more (docs/security.md, "The observer of the logs")."""
-    from .behavioural import chat_template_ids
-
-    tok = target.tokenizer
-    pre, post = chat_template_ids(tok)
-    requests = [target.obfuscate_ids(list(pre) + list(ids) + list(post)) for ids in data.plain_ids]
-    # ids the server sees lie below the embedding size; the public tokenizer's length bounds the plaintext side
-    vocab = max(len(tok), 1 + max(max(r) for r in requests))
-    ref_tokens = int(max(100_000, 1_000_000 * budget.scale))
-    reference = public_reference(tok, ref_tokens)
-    lm_tokens = int(max(2_000, 20_000 * budget.scale))
-    judge = int(max(1_000, 3_000 * min(1.0, budget.scale * 4)))
-    lm = LMScorer(target.public_lm(), batch=4, device=target.device) if with_lm else None
-    res = decipher_stream(requests, vocab, reference, pre, post, lm=lm, lm_tokens=lm_tokens, lm_judge_tokens=judge,
-                          restarts=1 if with_lm else 0, seed=seed)
-    # scoring (the key's side): the guess over the whole id space, -1 for ids the observer never saw
-    guess = np.full(len(target.true_permutation()), -1, np.int64)
-    guess[:len(res.obf_to_plain)] = res.obf_to_plain[:len(guess)]
-    metrics = score_mapping(target, data, guess, text_metrics=True)
-    observed = int(sum(len(r) for r in requests))
-    metrics.update({"tokens_observed": observed, "requests_observed": len(requests), "anchors": res.anchors,
-                    "trace": res.trace})
-    info = {"budget": budget.name, "reference": "fortunes + debian-reference", "reference_tokens": ref_tokens,
-            "anneal_steps_per_id": 300, "restarts": 1 if with_lm else 0, "seed": seed, "tokens_observed": observed}
-    if with_lm:
-        info.update({"lm_tokens": lm_tokens, "lm_judge_tokens": judge})
-    uses = (f"the logs: {observed} obfuscated ids in {len(requests)} requests; the public tokenizer and chat template; "
-            "public text (fortunes, debian-reference)" + ("; the public model (no obfuscated weights)" if with_lm
-                                                          else "") + "; no key")
-    name = "stream-decipher-lm" if with_lm else "stream-decipher"
-    return AttackResult(name, metrics["ttrsr"], metrics["piirsr"], metrics, info, uses=uses)
-
-
-@register("stream-decipher")
-def stream_decipher(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """Id-stream decipherment of the logs (template anchors, bigram of public text, annealing); no model."""
-    return run_stream_decipher(target, data, budget, seed, with_lm=False)
-
-
-@register("stream-decipher-lm", uses_engine=True)
-def stream_decipher_lm(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-    """Id-stream decipherment of the logs with the public model judging and refining the mapping."""
-    return run_stream_decipher(target, data, budget, seed, with_lm=True)

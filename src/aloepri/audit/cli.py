@@ -14,10 +14,11 @@ def cmd_audit(a: argparse.Namespace) -> int:
                           "--budget", a.budget, "--out", str(a.out), "--seed", str(a.seed), "--threads", str(a.threads)]
                          + (["--prompts", str(a.prompts)] if a.prompts is not None else [])
                          + (["--all-attacks"] if a.all_attacks else [])
+                         + (["--traffic-tokens", str(a.traffic_tokens)] if a.traffic_tokens is not None else [])
                          + ["--engine", a.engine] + (["--device", str(a.device)] if a.device not in (None, "cpu") else []))
     rep = run_audit(a.plain, a.obfuscated, a.key, a.budget, a.out, a.prompts, a.seed, a.threads,
                     progress=not a.quiet, command=command, all_attacks=a.all_attacks, engine=a.engine,
-                    device=a.device or "cpu",
+                    device=a.device or "cpu", traffic_tokens=a.traffic_tokens,
                     log=None if a.quiet else (lambda m: print(m, file=sys.stderr)))
     print(rep.verdict["headline"])
     for key in ("provider", "id_stream"):
@@ -46,6 +47,13 @@ def add_audit_commands(sub: Any) -> None:
                    help="run every planned attack, also those that cannot change the verdict (an observer already "
                         "at 100%%)")
     from ..attacks.engines import AUTO, CHOICES, ENGINE_HELP
+    from ..attacks.log_reader import DEFAULT_TRAFFIC_TOKENS
+
+    p.add_argument("--traffic-tokens", type=int, default=None, metavar="N",
+                   help="the volume of logs the log reader (stream-decipher) is given: N tokens of requests, your "
+                        "prompts among public PII-like prompts, through your key; the report gives its recovery "
+                        f"at volumes up to N (default {DEFAULT_TRAFFIC_TOKENS:,}: about a day of one user's ordinary "
+                        "use, some 100 requests)")
     from ..storage.devices import add_device_option
 
     p.add_argument("--engine", default=AUTO, choices=CHOICES, help=ENGINE_HELP)

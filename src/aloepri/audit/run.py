@@ -57,6 +57,7 @@ class AuditInputs:
     threads: int
     engine: str = "torch"  # aloepri.attacks.engines.ENGINES
     engine_why: str = ""
+    traffic_tokens: int = 20_000  # the log reader's volume (aloepri.attacks.log_reader.DEFAULT_TRAFFIC_TOKENS)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class AuditReport:
 
 def validate_inputs(plain: str | Path, obfuscated: str | Path, key: str | Path, budget: str, out: str | Path,
                     prompts: int | None = None, seed: int = 0, threads: int = 1, engine: str = "torch",
-                    device: str = "cpu") -> AuditInputs:
+                    device: str = "cpu", traffic_tokens: int | None = None) -> AuditInputs:
     """Every check of the audit's inputs, before any model loads; raises AuditInputError with one line."""
     if budget not in plan_mod.BUDGETS:
         raise AuditInputError(f"unknown budget {budget!r}; choose one of {', '.join(plan_mod.BUDGETS)}")
@@ -111,6 +112,10 @@ def validate_inputs(plain: str | Path, obfuscated: str | Path, key: str | Path, 
         raise AuditInputError(f"--prompts must be at least 1 (got {prompts})")
     if threads < 1:
         raise AuditInputError(f"--threads must be at least 1 (got {threads})")
+    from ..attacks.log_reader import DEFAULT_TRAFFIC_TOKENS
+
+    if traffic_tokens is not None and not 1_000 <= traffic_tokens <= 10_000_000:
+        raise AuditInputError(f"--traffic-tokens must be between 1000 and 10000000 (got {traffic_tokens})")
     if out.exists() and not out.is_dir():
         raise AuditInputError(f"--out {out} is a file; give a directory for report.json and report.html")
     try:
@@ -130,7 +135,7 @@ def validate_inputs(plain: str | Path, obfuscated: str | Path, key: str | Path, 
         raise AuditInputError(str(e)) from None
     return AuditInputs(plain, obfuscated, key_path, key_obj, budget, out,
                        prompts if prompts is not None else DEFAULT_PROMPTS[budget], seed, threads, choice.name,
-                       choice.why)
+                       choice.why, traffic_tokens if traffic_tokens is not None else DEFAULT_TRAFFIC_TOKENS)
 
 
 # --- facts about the environment ---------------------------------------------------------------------------------
@@ -290,6 +295,7 @@ def run_planned(planned: plan_mod.PlannedAttack, target, data, budget, seed: int
     return {**entry, "status": RAN, "ttrsr": ttrsr, "piirsr": res.piirsr, "tokens_scored": m.get("tokens_scored"),
             "pii_tokens_scored": m.get("pii_tokens_scored"), "vocab_recovery": vocab, "bleu4": m.get("bleu4"),
             "tokens_observed": m.get("tokens_observed"),  # the traffic an id-stream attack saw (its volume)
+            **({"curve": m["curve"]} if "curve" in m else {}),  # the log reader: recovery against volume
             "seconds": round(res.seconds, 1), "uses": res.uses, "attack_budget": res.budget}
 
 
@@ -321,7 +327,8 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
               out: str | Path = "audit-report", prompts: int | None = None, seed: int = 0, threads: int = 1,
               progress: bool = True, plan: tuple[plan_mod.PlannedAttack, ...] | None = None,
               command: str | None = None, log: Callable[[str], None] | None = None,
-              all_attacks: bool = False, engine: str = "torch", device: str = "cpu") -> "AuditReport":
+              all_attacks: bool = False, engine: str = "torch", device: str = "cpu",
+              traffic_tokens: int | None = None) -> "AuditReport":
     """Audit one obfuscated deployment: fidelity and the planned attacks within ``budget``, then report.json and
     report.html in ``out`` (each written atomically). ``plan`` replaces the attack plan (tests).
 
@@ -332,7 +339,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
     ``engine`` (aloepri.attacks.engines.CHOICES; ``auto`` picks one from the model's size and the hardware): how
     the fidelity step and the attacks that run the models run them; the report records which and why. Each step
     loads what it needs and frees it before the next, so the audit's peak is its largest step's."""
-    inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads, engine, device)
+    inp = validate_inputs(plain, obfuscated, key, budget, out, prompts, seed, threads, engine, device, traffic_tokens)
 
     import torch
 
@@ -349,6 +356,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
     has_tok = has_tokenizer(target)
     attack_budget = Budget.named(inp.budget)
     attack_budget.threads = inp.threads
+    attack_budget.traffic_tokens = inp.traffic_tokens  # the log reader's volume (aloepri.attacks.log_reader)
     is_moe = _is_moe(inp.obfuscated)
     planned = plan if plan is not None else plan_mod.PLAN
 
@@ -385,6 +393,10 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
             "warnings": input_warnings(inp, fidelity) + ([] if complete else [
                 "this report is partial: the audit stopped (or is still running) before every attack ran"]),
             "attacks": attacks,
+            "traffic_tokens": inp.traffic_tokens,
+            # the log reader's recovery against volume, up to traffic_tokens (stream-decipher, model-free)
+            "log_reader_curve": next((a["curve"] for a in attacks if a["name"] == "stream-decipher"
+                                      and a.get("curve")), None),
             "fidelity": fidelity,
             "parameters": parameters(inp.key),
             "private_prompts": prompt_info,

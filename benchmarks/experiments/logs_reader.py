@@ -1,0 +1,186 @@
+"""The log reader at every volume: ``aloepri.attacks.log_reader.decipher_logs`` (sparse, bounded scores) on the
+streams of ``logs_only`` / ``logs_decipher`` (SmolLM2 chat traffic, half Faker PII prompts, half passages of the
+client's python-docs half; one secret permutation of the vocabulary) from 10^3 to 10^6 observed tokens, with the
+peak memory of the process that ran it.
+
+References (the observer's text):
+
+- ``public``: fortunes + debian-reference (general English and computing documentation);
+- ``public+domain``: the same plus traffic the observer generated itself like the client's: the other half of
+  python-docs and PII prompts from the same ten templates with its own Faker seed, wrapped in the public chat
+  template (``logs_only.prior_ids('same-distribution')``). It shares no document or PII value with the client.
+
+Methods: ``log-reader`` (the new decipherer; volumes run in increasing order, each warm-started from the map this
+store holds for the previous volume, the likelier of the warm and the fresh map kept: an observer who reads the
+logs as they grow); ``stream-decipher`` (the earlier ``decipher_stream``, measured in the same run where it fits);
+controls at one volume: ``control/victim-text`` (positive: the traffic's own plaintext as reference) and
+``control/random-mapping`` (negative: a random 1:1 guess).
+
+Resumable: keyed ``<method>/<reference>/<volume>``; entries present are skipped.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..lib import ResultStore
+from ..lib.models import model_path
+from .logs_only import build_stream, chat_wrapper, observed_prefix, prior_ids, recovery_report, split_requests
+
+VOLUMES = (1_000, 10_000, 100_000, 1_000_000)
+REFERENCES = ("public", "public+domain")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"
+    volumes: tuple[int, ...] = VOLUMES
+    references: tuple[str, ...] = REFERENCES
+    old_at: tuple[int, ...] = (1_000, 10_000)  # the earlier decipher_stream, side by side, where it fits
+    controls_at: tuple[int, ...] = (10_000,)
+    reference_tokens: int = 1_000_000
+    old_max_candidates: int = 20_000
+    seed: int = 0
+    threads: int = 1
+
+
+def peak_rss_gib() -> float:
+    """Peak resident memory of this process so far (GiB): an upper bound on what the entry needed."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 3)
+
+
+def run(s: Settings, store: ResultStore) -> None:
+    import torch
+
+    from aloepri.attacks.log_reader import decipher_logs
+    from aloepri.attacks.stream_decipher import decipher_stream, public_reference
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+
+    keys = [f"log-reader/{r}/{v}" for r in s.references for v in s.volumes]
+    keys += [f"stream-decipher/{r}/{v}" for r in s.references for v in s.old_at]
+    keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
+    todo = sorted((k for k in keys if not store.has(k)), key=lambda k: (int(k.rsplit("/", 1)[1]), k))
+    if not todo:
+        return
+    torch.set_num_threads(s.threads)
+    tok = load_hf_tokenizer(model_path(s.model))
+    stream = build_stream(tok, max(s.volumes), s.seed)
+    perm = np.random.default_rng(s.seed + 99).permutation(len(tok))  # the client's key (seeded: reproducible)
+    pre, post = chat_wrapper(tok)
+    refs: dict[str, list[np.ndarray]] = {}
+
+    def reference(name: str) -> list[np.ndarray]:
+        if name not in refs:
+            refs[name] = public_reference(tok, s.reference_tokens)
+            if name == "public+domain":
+                refs[name] = refs[name] + [prior_ids(tok, "same-distribution", s.reference_tokens, s.seed)]
+        return refs[name]
+
+    for key in todo:
+        method, ref_name, volume = key.rsplit("/", 2)[0], key.rsplit("/", 2)[1], int(key.rsplit("/", 1)[1])
+        sl = observed_prefix(stream, volume)
+        truth_reqs = split_requests(stream.ids[sl], stream.request_ends[stream.request_ends <= sl.stop])
+        observed = [perm[r] for r in truth_reqs]
+        flat = np.concatenate(observed)
+        truth = stream.ids[sl]
+        t0 = time.perf_counter()
+        extra: dict = {}
+
+        def score(entry: dict, mapping: np.ndarray) -> dict:
+            ok = mapping[flat] == truth
+            return {"token_recovery": round(float(ok.mean()), 4),
+                    "pii_recovery": round(float(ok[stream.pii[sl]].mean()), 4)}
+
+        if key.startswith("control/random-mapping"):
+            guess = np.random.default_rng(s.seed + 7).permutation(len(perm))[flat]
+        elif method == "stream-decipher":
+            res = decipher_stream(observed, len(perm), reference(ref_name), pre, post,
+                                  max_candidates=s.old_max_candidates, seed=s.seed, progress=score)
+            guess = res.obf_to_plain[flat]
+            extra = {"trace": res.trace, "anchors": res.anchors}
+        else:
+            victim = key.startswith("control/victim-text")
+            ref = truth_reqs if victim else reference(ref_name)
+            init = None
+            prev = [v for v in s.volumes if v < volume]
+            if not victim and prev and store.has(f"{method}/{ref_name}/{max(prev)}"):
+                held = store.entries()[f"{method}/{ref_name}/{max(prev)}"]["map"]
+                init = dict(zip(held["cipher"], held["plain"]))
+            res = decipher_logs(observed, len(perm), ref, pre, post, init=init, seed=s.seed, progress=score)
+            guess = res.obf_to_plain[flat]
+            seen = np.unique(flat)
+            extra = {"trace": res.trace, "anchors": res.anchors, "warm_started_from": max(prev) if init else None,
+                     "map": {"cipher": seen.tolist(), "plain": res.obf_to_plain[seen].tolist()}}
+        out = recovery_report(tok, truth, guess, stream.pii[sl], stream.template[sl])
+        out.update(extra)
+        out.update({"model": s.model, "key": key, "requests_observed": len(truth_reqs),
+                    "seconds": round(time.perf_counter() - t0, 1), "seed": s.seed,
+                    "reference_tokens": int(sum(len(r) for r in reference(ref_name))) if ref_name in REFERENCES
+                    else int(len(truth)), "peak_rss_gib": peak_rss_gib()})
+        store.put(key, out)
+        print(f"{key}: all {out['token_recovery']:.3f} user {out['user_text_recovery']:.3f} "
+              f"pii {out['pii_recovery']} ({out['seconds']} s, peak {out['peak_rss_gib']} GiB)", flush=True)
+
+
+def render(entries: dict) -> str:
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    lines = ["| method | reference | tokens observed | all (%) | user text (%) | PII (%) | distinct ids recovered | "
+             "seconds | peak memory (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(entries, key=lambda k: (k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1]))):
+        e = entries[key]
+        method, ref, _ = key.rsplit("/", 2)
+        lines.append(f"| {method} | {ref} | {e['tokens_observed']:,} | {pct(e['token_recovery'])} | "
+                     f"{pct(e['user_text_recovery'])} | {pct(e['pii_recovery'])} | "
+                     f"{e['distinct_types_recovered']} / {e['distinct_types_observed']} | {e['seconds']} | "
+                     f"{e['peak_rss_gib']} |")
+    return "\n".join(lines)
+
+
+def plot(entries: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    series: dict[str, list[tuple[int, dict]]] = {}
+    for key, e in entries.items():
+        if key.startswith("control/"):
+            continue
+        series.setdefault(key.rsplit("/", 1)[0], []).append((e["tokens_observed"], e))
+    for name, pts in sorted(series.items()):
+        pts.sort(key=lambda x: x[0])
+        for ax, fld in zip(axes, ("user_text_recovery", "pii_recovery")):
+            ax.plot([x for x, _ in pts], [100 * (e[fld] or 0) for _, e in pts], "o-", label=name)
+    for ax, title in zip(axes, ("user's text tokens", "PII tokens")):
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens observed")
+        ax.set_title(f"recovered: {title}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("recovered (%)")
+    axes[1].legend(fontsize=6)
+    fig.suptitle("The log reader (no key, no obfuscated weights): recovery vs. volume", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def report(store: ResultStore) -> str:
+    entries = store.entries()
+    figure = store.figure_path(".png")
+    plot(entries, figure)
+    return render(entries) + f"\n\nFigure: results/{store.experiment}/{figure.name}"
+
+
+SUMMARY = "the log reader (sparse decipherer) from 10^3 to 10^6 observed tokens, with peak memory (an hour or more)"
+CONFIGS = {
+    "smollm2": Settings(),
+    **{f"smollm2-seed{k}": Settings(volumes=(1_000, 10_000, 100_000), old_at=(), controls_at=(), seed=k)
+       for k in (1, 2)},
+    "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
+                      reference_tokens=50_000),
+}
+DOCS = ("docs/security.md",)
+NOTES = "needs the corpora of docs/data.md; 10^6 tokens take tens of minutes on 2 cores"

@@ -1,0 +1,173 @@
+"""The log reader at scale (aloepri.attacks.log_reader): positive control (reference text of the traffic's own
+language recovers most of it), negative controls (a reference of another language with the same statistics under
+other token ids; a random mapping) near chance, the blocked scores equal the dense ones, anchors, 1:1, warm start."""
+import numpy as np
+import pytest
+
+from aloepri.attacks import log_reader
+from aloepri.attacks.log_reader import CandidateModel, decipher_logs, lm_successors, log_likelihood, top_scores
+from aloepri.attacks.stream_decipher import ObservedStream, adjacency
+
+VOCAB = 400
+
+
+def markov_text(transitions: np.ndarray, n_seqs: int, length: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    cum = np.cumsum(transitions, axis=1)
+    out = []
+    for _ in range(n_seqs):
+        s = [int(rng.integers(len(transitions)))]
+        for u in rng.random(length - 1):
+            s.append(int(min(np.searchsorted(cum[s[-1]], u), len(transitions) - 1)))
+        out.append(np.asarray(s))
+    return out
+
+
+def zipf_chain(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    base = 1.0 / np.arange(1, VOCAB + 1) ** 1.1
+    t = np.tile(base, (VOCAB, 1)) * 0.2
+    for u in range(VOCAB):
+        t[u, rng.choice(VOCAB, 4, replace=False, p=base / base.sum())] += rng.random(4) * 3
+    return t / t.sum(axis=1, keepdims=True)
+
+
+PREFIX, SUFFIX = [390, 391, 392], [393, 394]
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    chain = zipf_chain(0)
+    plain = [np.concatenate([PREFIX, s, SUFFIX]) for s in markov_text(chain, 60, 60, 1)]
+    perm = np.random.default_rng(5).permutation(VOCAB)
+    return chain, plain, [perm[p] for p in plain], perm
+
+
+def recovery(obf_to_plain, observed, plain) -> float:
+    return float(np.mean(obf_to_plain[np.concatenate(observed)] == np.concatenate(plain)))
+
+
+def test_positive_control_same_language_reference_recovers_most(traffic):
+    chain, plain, observed, _ = traffic
+    res = decipher_logs(observed, VOCAB, markov_text(chain, 200, 100, 2), PREFIX, SUFFIX, anneal_steps=100,
+                        seed=0)
+    assert recovery(res.obf_to_plain, observed, plain) > 0.85
+    # the traffic's own text as reference: nearly everything
+    own = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, anneal_steps=100, seed=0)
+    assert recovery(own.obf_to_plain, observed, plain) > 0.95
+
+
+def test_negative_controls_relabelled_language_and_random_mapping(traffic):
+    chain, plain, observed, _ = traffic
+    q = np.random.default_rng(8).permutation(VOCAB)  # the same statistics under other token ids
+    other = [q[s] for s in markov_text(chain, 200, 100, 3)]
+    res = decipher_logs(observed, VOCAB, other, anneal_steps=50, seed=0)
+    assert recovery(res.obf_to_plain, observed, plain) < 0.05
+    assert recovery(np.random.default_rng(9).permutation(VOCAB), observed, plain) < 0.05
+
+
+def test_blocked_scores_equal_one_block(traffic, monkeypatch):
+    chain, plain, observed, _ = traffic
+    stream = ObservedStream.of(observed)
+    model = CandidateModel(markov_text(chain, 50, 100, 2), np.arange(VOCAB), VOCAB)
+    left, right = adjacency(stream)
+    m = np.random.default_rng(0).permutation(VOCAB)[:len(stream.cipher_ids)]
+    belief = log_reader.onehot(m, VOCAB)
+    whole = top_scores(model, left, right, belief, stream.counts.astype(float), 1000, 5)
+    monkeypatch.setattr(log_reader, "BLOCK_ELEMENTS", 3 * VOCAB)  # three rows per block
+    blocked = top_scores(model, left, right, belief, stream.counts.astype(float), 1000, 5)
+    np.testing.assert_allclose(np.sort(whole[1], axis=1), np.sort(blocked[1], axis=1), rtol=1e-5)
+
+
+def test_anchors_one_to_one_and_the_likelier_start_kept(traffic):
+    chain, plain, observed, perm = traffic
+    ref = markov_text(chain, 100, 100, 2)
+    truth = {int(perm[p]): int(p) for p in np.unique(np.concatenate(plain))}
+    res = decipher_logs(observed, VOCAB, ref, PREFIX, SUFFIX, init=truth, anneal_steps=20, seed=1)
+    for p in PREFIX + SUFFIX:
+        assert res.obf_to_plain[perm[p]] == p
+    seen = np.unique(np.concatenate(observed))
+    g = res.obf_to_plain[seen]
+    assert (g >= 0).all() and len(np.unique(g)) == len(g)
+    lls = {e["stage"]: e["log_likelihood"] for e in res.trace}
+    kept = max(lls[k] for k in lls if k.endswith("annealing"))
+    assert lls["kept"] == kept
+    # warm-started from the truth, the observer keeps a map at least as likely as where it started
+    assert kept >= lls["warm start"] - 1e-6
+
+
+def test_lm_successors_are_a_distribution_over_candidates(tmp_path):
+    import torch
+
+    from aloepri.runtime.inference import load_plain_model
+    from aloepri.testing.tiny import build_tiny
+
+    model = load_plain_model(build_tiny("llama", tmp_path / "tiny", vocab_size=VOCAB))
+    cols = np.arange(0, VOCAB, 3)
+    torch.manual_seed(0)
+    nxt = lm_successors(model, cols, top=8, batch=50)
+    assert nxt.shape == (len(cols), len(cols)) and (nxt.getnnz(axis=1) == 8).all()
+    assert (np.asarray(nxt.sum(axis=1)).ravel() <= 1 + 1e-5).all()
+
+
+def test_log_likelihood_prefers_the_true_map_with_its_own_text(traffic):
+    chain, plain, observed, perm = traffic
+    stream = ObservedStream.of(observed)
+    model = CandidateModel(plain, np.arange(VOCAB), VOCAB)
+    pairs = adjacency(stream)[0].tocoo()
+    inv = np.argsort(perm)
+    true_m = inv[stream.cipher_ids]
+    shuffled = np.random.default_rng(1).permutation(true_m)
+    n = int(stream.counts.sum())
+    assert log_likelihood(model, pairs, true_m, n) > log_likelihood(model, pairs, shuffled, n)
+
+
+@pytest.mark.slow
+def test_audit_traffic_holds_the_clients_prompts_and_the_curve_grows_to_the_volume(monkeypatch):
+    """The audit's log reader: the client's prompts inside public PII-like traffic of the stated volume, through
+    the key; the curve's points rise to that volume and the figure is scored on the client's prompts."""
+    from aloepri.attacks.base import Budget
+    from aloepri.attacks.behavioural import chat_template_ids
+    from aloepri.attacks.data import private_prompts
+    from aloepri.attacks.log_reader import audit_traffic, curve_volumes, run_log_reader
+    from aloepri.models import ModelNotInstalledError, resolve_model
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+
+    try:
+        tok = load_hf_tokenizer(resolve_model("smollm2"))
+    except (ModelNotInstalledError, OSError) as e:
+        pytest.skip(str(e))
+    data = private_prompts(tok, 4, 0)
+    reqs, pii, user = audit_traffic(tok, data.plain_ids, data.pii_mask, 2_500, 0)
+    pre, post = chat_template_ids(tok)
+    assert sum(len(r) for r in reqs) >= 2_500 - 200
+    bodies = [list(r[len(pre):len(r) - len(post)]) for r in reqs]
+    for ids in data.plain_ids:  # every private prompt is in the logs, once
+        assert bodies.count(list(ids)) == 1
+    assert all(len(r) == len(p) == len(u) for r, p, u in zip(reqs, pii, user))
+    assert curve_volumes(2_500) == [1_000, 2_500] and curve_volumes(20_000)[-1] == 20_000
+
+    class Target:  # the key's side: a permutation of the vocabulary
+        tokenizer = tok
+        perm = np.random.default_rng(3).permutation(len(tok))
+
+        def true_permutation(self):
+            return self.perm
+
+        def obfuscate_ids(self, ids):
+            return self.perm[np.asarray(ids, np.int64)].tolist()
+
+    from aloepri.attacks import stream_decipher
+
+    # a small public text keeps the test fast: the attacker's own PII-like prompts (another Faker seed)
+    own = [np.asarray(p) for p in private_prompts(tok, 150, 7).plain_ids]
+    monkeypatch.setattr(stream_decipher, "public_reference", lambda tokenizer, n: own)
+    budget = Budget.named("ci")
+    budget.traffic_tokens = 2_500
+    res = run_log_reader(Target(), data, budget, seed=0)
+    curve = res.metrics["curve"]
+    assert [p["tokens"] >= v for p, v in zip(curve, (1_000, 2_500))] == [True, True]
+    assert curve[0]["tokens"] < curve[1]["tokens"] == res.metrics["tokens_observed"]
+    for p in curve:
+        assert 0.0 <= p["prompt_token_recovery"] <= 1.0 and 0.0 <= p["pii_token_recovery"] <= 1.0
+    assert 0.0 <= res.ttrsr <= 1.0
