@@ -1,4 +1,4 @@
-"""``python -m benchmarks list | run NAME | report NAME | render-docs`` (see benchmarks/__init__.py)."""
+"""``python -m benchmarks list | run NAME | report NAME | render-docs | cache`` (see benchmarks/__init__.py)."""
 from __future__ import annotations
 
 import argparse
@@ -92,6 +92,35 @@ def _render_docs(args) -> int:
     return 0
 
 
+def _cache(args) -> int:
+    """The obfuscated-target cache (benchmarks.lib.targets): its entries and size; --prune removes the least
+    recently used ones down to the cap (--max-gb, default ALOEPRI_BENCH_CACHE_GB or the default cap)."""
+    import time
+
+    from .lib import targets
+
+    if args.max_gb is not None and not 0 <= args.max_gb < float("inf"):
+        raise UsageError(f"--max-gb must be a number of GB >= 0, got {args.max_gb}")
+    try:
+        cap = targets.cap_bytes() if args.max_gb is None else int(args.max_gb * 1e9)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.prune:
+        # an explicit prune also takes what was used recently; a running experiment may lose a target it reads
+        removed = targets.prune(cap, recent_seconds=0 if args.all else targets.RECENT_SECONDS)
+        for e in removed:
+            print(f"removed {e.path} ({e.bytes / 1e9:.2f} GB)")
+    found = targets.entries()
+    now = time.time()
+    for e in found:
+        print(f"{e.bytes / 1e9:8.2f} GB  used {(now - e.last_used) / 3600:7.1f} h ago  {e.path}")
+    total = sum(e.bytes for e in found)
+    print(f"{targets.WORK}: {len(found)} entries, {total / 1e9:.2f} GB; cap {cap / 1e9:.2f} GB "
+          f"({targets.CAP_ENV}; entries used in the last {targets.RECENT_SECONDS / 3600:g} h are kept by automatic "
+          "pruning)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description="aloepri's experiments")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -114,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="*", help="Markdown files (default: README.md and docs/*.md)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 listing the stale blocks")
     p.set_defaults(func=_render_docs)
+    p = sub.add_parser("cache", help="the obfuscated-target cache: size and entries; --prune to the cap")
+    p.add_argument("--prune", action="store_true", help="remove least recently used entries down to the cap")
+    p.add_argument("--max-gb", type=float, help="the cap for this --prune, in GB (0: remove everything)")
+    p.add_argument("--all", action="store_true", help="with --prune: also entries used in the last hours")
+    p.set_defaults(func=_cache)
     args = ap.parse_args(argv)
     try:
         return args.func(args)

@@ -87,17 +87,18 @@ class Models:
     def gguf(self, preset: str, qtype: str) -> Path:
         from aloepri.export.gguf import export_gguf
 
-        from ..lib.targets import plaintext_reference
+        from ..lib.targets import plaintext_reference, prune, touch
 
         if preset == PLAINTEXT:
-            out = self.work / f"{self.src.stem}-plaintext-{qtype}.gguf"
-            if not out.exists():
-                export_gguf(plaintext_reference(self.src), out, qtype)
-            return out
-        t = self.target(preset)
-        out = self.work / f"{self.src.stem}-{t.cache_key}-{qtype}.gguf"
-        if not out.exists():
-            export_gguf(t.model_dir, out, qtype)
+            out, model_dir = self.work / f"{self.src.stem}-plaintext-{qtype}.gguf", None
+        else:
+            t = self.target(preset)
+            out, model_dir = self.work / f"{self.src.stem}-{t.cache_key}-{qtype}.gguf", t.model_dir
+        if out.exists():
+            touch(out)  # for the cache's least-recently-used order
+        else:
+            export_gguf(model_dir or plaintext_reference(self.src), out, qtype)
+            prune(keep=(out,))
         return out
 
     def served_type(self, preset: str, qtype: str) -> str:

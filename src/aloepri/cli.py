@@ -81,21 +81,23 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     print(f"preset {preset}: {note}", file=sys.stderr)
     if fp8:
         print(FP8_OUTPUT_NOTE, file=sys.stderr)
-    dtype = a.dtype or serving_dtype(src)
-    if dtype != a.dtype:
-        print(f"output {dtype}: the default for a quantized or half-precision GGUF source (top-1 and greedy as "
-              "the plaintext model's in bfloat16, docs/accuracy.md; --dtype float32 for logits equal to "
-              "plaintext's)", file=sys.stderr)
+    if a.dtype is None and src.is_file() and serving_dtype(src) == "bfloat16":
+        print("output bfloat16: the default for a quantized or half-precision GGUF source (KL against plaintext "
+              "float32 as the plaintext model's in bfloat16, docs/accuracy.md; --dtype float32 for logits equal "
+              "to plaintext's)", file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
         from .runtime.sensitivity import fisher_noise_factors  # the public model on a public corpus
 
         factors = fisher_noise_factors(src)
-    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=dtype, overwrite=a.force,
+    res = obfuscate(src, a.out, a.key_out, params, seed=a.seed, dtype=a.dtype, overwrite=a.force,
                     max_shard_bytes=max(1, int(shard_gb * (1 << 30))), progress=not a.quiet,
                     allow_weak_seed=a.allow_weak_seed, noise_factors=factors, device=a.device, tp=a.tp)
     if res.h != params.h:
         print(f"note: h raised from {params.h} to {res.h} so that the attention heads divide d+2h", file=sys.stderr)
+    if res.kept_dims_rule != "none":
+        print(f"{len(res.kept_dims)} residual dimensions kept out of the key's mixing, chosen by {res.kept_dims_rule}"
+              f": {list(res.kept_dims)}", file=sys.stderr)
     print(json.dumps({"output": str(res.output_dir), "key": str(res.key_path), "fingerprint": res.fingerprint,
                       "hidden_size": res.hidden_size, "h": res.h, "seconds": round(res.seconds, 2)}, indent=2))
     return 0
@@ -203,7 +205,7 @@ def _demo(a: argparse.Namespace, src: Path, about: str, work: Path) -> int:
     from .runtime.inference import PrivateModel, load_plain_model
     from .obfuscation.pipeline import obfuscate
 
-    out, key_path = work / "server-model", work / "client.key.json"
+    out, key_path = work / "server-model", work / "client.key"
     params = resolve_params(a.preset)
     print(f"model: {about}")
     print(f"[1/3] obfuscating {src.name} with preset '{a.preset}' ({PRESET_NOTES[a.preset]})")
@@ -361,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         # spin on the cores the obfuscation's worker threads (noise, hashing, shard writing) need
         # (docs/performance.md)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # aloepri draws its own bar for every long command; the libraries' own bars (transformers' "Loading weights",
+    # "Writing model shards") would interleave with it. Read once, when huggingface_hub is first imported.
+    if "huggingface_hub" not in sys.modules:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     known = set(CORE_COMMANDS).union(*(names for names, _, _ in COMMAND_GROUPS))
     args = build_parser(argv[0] if argv and argv[0] in known else None).parse_args(argv)
     try:

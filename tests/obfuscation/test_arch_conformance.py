@@ -44,9 +44,11 @@ def test_exact_preset_reproduces_logits(spec_name, variant, tiny_dir, obfuscated
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False and cfg["hidden_size"] == key.hidden_size
     assert cfg["hidden_size"] > plain.config.hidden_size and cfg["hidden_size"] % cfg["num_attention_heads"] == 0
-    for name, p in obf.named_parameters():  # every norm weight is a constant vector but at the kept coordinates
+    # every norm weight is a constant vector but at kept coordinates, and a random tiny model has no residual
+    # dimension large enough for the exact preset's measured rule to keep (test_equivalence keeps some by count)
+    for name, p in obf.named_parameters():
         if name.endswith("layernorm.weight") or name == spec.hf_names.of("final_norm"):  # incl. MLA q_a/kv_a norms
-            assert int((p != p.median()).sum()) <= aloepri.PRESETS["exact"].outlier_dims, name
+            assert int((p != p.median()).sum()) == 0, name
 
     ids = torch.randint(0, plain.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(1))
     obf_ids = torch.tensor([key.encode_ids(r) for r in ids.tolist()])

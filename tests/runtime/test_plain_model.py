@@ -35,7 +35,7 @@ def test_smollm2_loads_as_transformers_loads_it():
 
 
 def test_a_gguf_that_leaves_a_weight_unset_is_refused(tiny_dir, tmp_path, monkeypatch):
-    import aloepri.runtime.inference as inference
+    import aloepri.obfuscation.plain_model as inference
 
     reference = plaintext_reference_dir(tiny_dir("llama"), tmp_path / "plain")
     export_gguf(reference, tmp_path / "m.gguf", "f32")

@@ -120,7 +120,8 @@ class Evaluator:
         with tempfile.TemporaryDirectory(dir=workdir) as tmp:
             out, key_path = Path(tmp) / "model", Path(tmp) / "key.json"
             stage("obfuscating")
-            obfuscate(self.src, out, key_path, params, seed=seed, allow_weak_seed=True, progress=False)
+            obfuscate(self.src, out, key_path, params, seed=seed, allow_weak_seed=True, progress=False,
+                      dtype="float32")  # fidelity measured against float32 plaintext, whatever the source
             key = load_key(key_path)
             stage("fidelity")
             obf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()

@@ -29,12 +29,13 @@ from ..progress import Progress
 from ..storage.staging import check_writable_destination
 from ..storage.devices import resolve_device
 from .archs import ArchSpec, TensorNames
-from . import keymat
+from . import keymat, residual
 from .blocks import VOCABULARY, LayerContext, StreamedTensor, attention_kind, feed_forward_kind
 from .checkpoint import (AtomicOutputDir, BlockFp8Writer, CheckpointError, ShardedWriter, SourceCheckpoint,
                          clean_stale_outputs, open_checkpoint)
 from .fp8 import RELEASE_BLOCK, BlockFp8
-from .params import PRESETS, ObfuscationParams
+from .params import MAX_OUTLIER_DIMS, PRESETS, ObfuscationParams
+from .residual import KeptDims
 from .secrets import SecretSampler, resolve_seed
 from .shape import ModelShape, effective_h
 from .sharding import check_tensor_parallel, layout_of
@@ -56,6 +57,8 @@ class ObfuscationResult:
     bytes_written: int
     flops: float
     block_seconds: dict[str, float] | None = None  # wall time per block (embedding, head, layer i), writing included
+    kept_dims: tuple = ()  # the residual dimensions kept out of the key's mixing
+    kept_dims_rule: str = "none"  # how they were chosen (residual.KeptDims.rule)
 
 
 def model_shape(cfg: dict[str, Any], spec: ArchSpec) -> ModelShape:
@@ -185,20 +188,29 @@ def _available_memory() -> int | None:
     return None
 
 
-def serving_dtype(src: str | Path) -> str | None:
-    """The output precision `aloepri obfuscate` writes when none is asked for: bfloat16 for a GGUF source stored in
-    less than float32 (quantized, or half precision), whose float32 output would be 2-7x the file (7 GB from
-    Qwen2.5-Coder-1.5B's 1.1 GB Q4_K_M); None (the source's own precision, as ``obfuscate`` chooses) otherwise.
-    Measured (experiment output_precision, docs/accuracy.md): against the float32 plaintext model the bfloat16
-    output keeps the top-1 agreement and greedy answers of the plaintext model in bfloat16; its KL is that of
-    plaintext bfloat16 on SmolLM2 and 6x it on Qwen2.5-Coder-1.5B computed in bfloat16 (6.4e-5 in float32)."""
-    if not Path(src).is_file():
-        return None
-    source = open_checkpoint(src)
-    try:
-        return "bfloat16" if getattr(source, "below_float32", False) else None
-    finally:
-        source.close()
+def default_output_dtype(source: SourceCheckpoint) -> str:
+    """The output precision when none is asked for: the one rule of the Python API (``obfuscate``) and the CLI
+    (docs/accuracy.md, "Output precision for a quantized GGUF source").
+
+    - an FP8 source: fp8, its own format;
+    - a GGUF source stored in less than float32 (quantized, or F16/BF16): bfloat16. Its float32 output would be
+      2-7x the file (7 GB from Qwen2.5-Coder-1.5B's 1.1 GB Q4_K_M); computed in bfloat16 the bfloat16 output
+      matches plaintext bfloat16's KL against plaintext float32 on SmolLM2, Qwen2.5-Coder-0.5B and -1.5B
+      (experiment output_precision), and computed in float32 it is within 1e-4 nats of the plaintext model;
+    - otherwise the source's own precision (float32 when its config names none, as for an F32 GGUF)."""
+    if source.fp8 is not None:
+        return FP8
+    if getattr(source, "below_float32", False):
+        return "bfloat16"
+    src_dtype = str(source.config.get("dtype") or source.config.get("torch_dtype") or "float32")
+    return src_dtype if src_dtype in _DTYPES else "float32"
+
+
+def serving_dtype(src: str | Path) -> str:
+    """The output precision ``obfuscate`` and ``aloepri obfuscate`` write from ``src`` when none is asked for
+    (``default_output_dtype``)."""
+    with contextlib.closing(open_checkpoint(src)) as source:
+        return default_output_dtype(source)
 
 
 def obfuscate(
@@ -223,8 +235,9 @@ def obfuscate(
     ``seed`` is the whole secret: None (the default) draws 256 bits from the OS CSPRNG. An explicit seed of fewer
     than 128 bits is refused unless ``allow_weak_seed`` (a reproducible, insecure key: tests and benchmarks only).
 
-    ``dtype``: the output precision, one of OUTPUT_DTYPES; default the source's (``fp8`` for a block-quantized FP8
-    source, float32 for GGUF). ``tp``: refuse an output a ``tp``-GPU tensor-parallel engine could not split.
+    ``dtype``: the output precision, one of OUTPUT_DTYPES; default ``default_output_dtype``: the source's own,
+    except bfloat16 from a GGUF stored below float32 (the CLI's rule too). ``tp``: refuse an output a ``tp``-GPU
+    tensor-parallel engine could not split.
 
     Every destination is checked before any work. The model is written into a temporary sibling directory and
     the key into a temporary sibling file (mode 0600); the model directory is renamed into place first, then
@@ -306,6 +319,7 @@ class ObfuscationPlan:
     noise_factors: tuple | None = None
     fp8_out: BlockFp8 | None = None  # the block format the writer quantizes the linear weights to, if FP8 output
     flops: float = 0.0
+    kept: KeptDims = KeptDims((), "none")  # the residual dimensions kept out of the key's mixing, and how chosen
 
 
 def plan_obfuscation(source: SourceCheckpoint, params: ObfuscationParams, seed: int, dtype: str | None = None,
@@ -319,8 +333,7 @@ def plan_obfuscation(source: SourceCheckpoint, params: ObfuscationParams, seed: 
         raise CheckpointError(f"head_dim {shape.head_dim} is odd; RoPE pairs need an even head_dim")
     source_fp8 = source.fp8
     if dtype is None:
-        src_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-        dtype = FP8 if source_fp8 is not None else src_dtype if src_dtype in _DTYPES else "float32"
+        dtype = default_output_dtype(source)
     fp8_out = (source_fp8 or BlockFp8(RELEASE_BLOCK)) if dtype == FP8 else None
     # FP8 output: the layers hand float32 to the writer, which quantizes their linear weights; the rest bfloat16
     out_dtype = torch.bfloat16 if fp8_out else _DTYPES[dtype]
@@ -329,10 +342,8 @@ def plan_obfuscation(source: SourceCheckpoint, params: ObfuscationParams, seed: 
     check_key_matrix_memory(shape, params)
     check_tensor_parallel(output_layout(source, shape, shape.d + 2 * effective_h(shape.d, params.h, shape.num_heads)),
                           tp, fp8_out.block if fp8_out else None)
-    if params.outlier_dims >= shape.d:  # before the extra pass over the feed-forward weights
-        raise ValueError(f"outlier_dims={params.outlier_dims} must be smaller than the hidden size {shape.d}")
-    outliers = massive_activation_dims(source, shape.num_layers, params.outlier_dims) if params.outlier_dims else ()
-    secrets = SecretSampler(seed, params, shape, outliers)
+    kept = kept_dimensions(source, shape, params)
+    secrets = SecretSampler(seed, params, shape, kept.dims)
     calib = None
     if params.kappa_mode == "embedding":
         embed = source.get("embed", dtype=None)
@@ -341,7 +352,22 @@ def plan_obfuscation(source: SourceCheckpoint, params: ObfuscationParams, seed: 
         del embed
     return ObfuscationPlan(source, spec, shape, params, secrets, secrets.vocab_permutation(), secrets.kappa(calib),
                            out_dtype, layer_dtype, compute_dtype, device, source.has("q", 0, "bias"), noise_factors,
-                           fp8_out)
+                           fp8_out, kept=kept)
+
+
+def kept_dimensions(source: SourceCheckpoint, shape: ModelShape, params: ObfuscationParams) -> KeptDims:
+    """The residual dimensions the key keeps out of its mixing: by params.outlier_rms (measured on the public
+    model, residual.py), by params.outlier_dims (the weights' largest feed-forward output rows), or none."""
+    limit = min(MAX_OUTLIER_DIMS, shape.d - 1)
+    if params.outlier_rms:
+        return residual.kept_dims(source, params.outlier_rms, limit, _available_memory(),
+                                  lambda: massive_activation_dims(source, shape.num_layers,
+                                                                  min(residual.FALLBACK_COUNT, limit)))
+    if params.outlier_dims >= shape.d:  # before the extra pass over the feed-forward weights
+        raise ValueError(f"outlier_dims={params.outlier_dims} must be smaller than the hidden size {shape.d}")
+    if params.outlier_dims:
+        return KeptDims(massive_activation_dims(source, shape.num_layers, params.outlier_dims), "weights")
+    return KeptDims((), "none")
 
 
 def obfuscated_tensors(plan: ObfuscationPlan) -> Iterator[tuple[str, torch.Tensor] | StreamedTensor]:
@@ -452,7 +478,7 @@ def _obfuscate_source(source: SourceCheckpoint, src, out: Path, key_out: Path, p
         background.shutdown(cancel_futures=True)
     publish_key(staged_key, key_out)  # after the model: a key in place always has its model
     return ObfuscationResult(out, key_out, fingerprint, D, secrets.h, time.perf_counter() - t0, writer.total_bytes,
-                             plan.flops, block_seconds)
+                             plan.flops, block_seconds, plan.kept.dims, plan.kept.rule)
 
 
 def massive_activation_dims(source: SourceCheckpoint, num_layers: int, count: int) -> tuple:

@@ -58,9 +58,10 @@ class SecretSampler:
 
     def __init__(self, seed: int, params: ObfuscationParams, shape: ModelShape, outlier_dims: tuple = ()):
         """``outlier_dims``: the residual dimensions kept out of the key's mixing (params.outlier_dims of them,
-        chosen from the weights by :func:`aloepri.obfuscation.pipeline.massive_activation_dims`)."""
+        chosen from the weights by :func:`aloepri.obfuscation.pipeline.massive_activation_dims`, or those
+        params.outlier_rms picks: :func:`aloepri.obfuscation.pipeline.kept_dimensions`)."""
         self.seed, self.params, self.shape = int(seed), params, shape
-        if len(outlier_dims) != params.outlier_dims:
+        if not params.outlier_rms and len(outlier_dims) != params.outlier_dims:
             raise ValueError(f"params ask for {params.outlier_dims} outlier dimensions, {len(outlier_dims)} given")
         self.h = effective_h(shape.d, params.h, shape.num_heads)
         self.base = keymat.init_key_base(self.rng("base"), shape.d, self.h, params.lam, params.e_scale,

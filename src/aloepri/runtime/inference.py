@@ -10,23 +10,16 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..keyfile import KeyFile, check_key_matches, load_key
+from ..obfuscation.plain_model import (  # noqa: F401  (gguf_model, TensorMismatchError: public names here too)
+    TensorMismatchError, gguf_model, plain_model, uninitialised_model_filled)
 from ..storage.devices import resolve_device
-from ..storage.sources import pretrained_kwargs
 from .tokenizer import load_hf_tokenizer, load_tokenizer  # noqa: F401  (load_tokenizer: the public name)
 
 
 def load_plain_model(src: str | Path, dtype: torch.dtype = torch.float32, device=None):
-    """The public plaintext model, from a checkpoint directory or a .gguf file, on ``device`` (default cpu).
-
-    A .gguf file is dequantized one tensor at a time into the model (``gguf_model``): transformers' own GGUF
-    loading holds every dequantized tensor and the model at once, twice the model's size at its peak."""
-    from transformers import AutoModelForCausalLM
-
-    if Path(src).is_file():
-        model = gguf_model(src, dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(**pretrained_kwargs(src), dtype=dtype)
-    return model.to(resolve_device(device)).eval()
+    """The public plaintext model, from a checkpoint directory or a .gguf file, on ``device`` (default cpu)
+    (obfuscation.plain_model.plain_model: a .gguf file is dequantized one tensor at a time into the model)."""
+    return plain_model(src, dtype).to(resolve_device(device)).eval()
 
 
 def forward_cached(model, input_ids: torch.Tensor, cache: Any = None) -> tuple[Any, Any]:
@@ -41,67 +34,6 @@ def forward_cached(model, input_ids: torch.Tensor, cache: Any = None) -> tuple[A
 @functools.lru_cache(maxsize=None)
 def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """The model of a .gguf file with the weights transformers' GGUF loading gives (the same config, the same
-    dequantization and q/k row order: aloepri's reader, which the obfuscation starts from), built without a
-    second copy: the model is allocated uninitialised, then each tensor is dequantized into its place."""
-    from transformers import AutoConfig
-
-    from ..obfuscation.checkpoint import open_checkpoint
-
-    def tensors(wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        ck = open_checkpoint(path)
-        try:
-            names = ck.spec.hf_names
-            for role, layer, part in _gguf_tensor_roles(ck):
-                yield names.of(role, layer, part), ck.get(role, layer, part, dtype=torch.float32)
-            if ck.tied_embeddings and names.of("head") in wanted:  # a config that unties what the file ties
-                yield names.of("head"), ck.get("embed", dtype=torch.float32)
-        finally:
-            ck.close()
-
-    return _uninitialised_model_filled(AutoConfig.from_pretrained(**pretrained_kwargs(path)), dtype, tensors, path)
-
-
-class TensorMismatchError(ValueError):
-    """The stored tensors are not the parameters of the model the config describes."""
-
-
-def _uninitialised_model_filled(config, dtype: torch.dtype, tensors: Callable[[set[str]], Iterator],
-                                source: str | Path):
-    """The model ``config`` describes, allocated without initialising it, each parameter then copied (and
-    converted to ``dtype``) from ``tensors(parameter names)``, which yields (name, tensor) one at a time: the peak
-    is the model and one stored tensor. Every parameter must be filled, and only those."""
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    params = dict(model.named_parameters())  # a tied head is the embedding, listed once
-    filled = set()
-    for name, tensor in tensors(set(params)):
-        if name not in params:  # e.g. q/k/v biases in a file whose llama config declares none
-            raise TensorMismatchError(f"{source} holds {name}, which the {type(model).__name__} its config "
-                                      "describes does not have")
-        params[name].data.copy_(tensor)
-        filled.add(name)
-        del tensor
-    if filled != set(params):
-        raise TensorMismatchError(f"{source} leaves {sorted(set(params) - filled)[:5]} of the "
-                                  f"{type(model).__name__} unset")
-    return model
-
-
-def _gguf_tensor_roles(ck) -> list[tuple[str, int | None, str]]:
-    roles = [("embed", None, "weight"), ("final_norm", None, "weight")]
-    if not ck.tied_embeddings:
-        roles.append(("head", None, "weight"))
-    for i in range(ck.num_layers):
-        for role in ck.attention_roles(i) + ck.mlp_roles(i):
-            roles += [(role, i, part) for part in ("weight", "bias") if ck.has(role, i, part)]
-    return roles
 
 
 def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None,
@@ -129,7 +61,7 @@ def load_obfuscated_model(model_dir: str | Path, dtype: torch.dtype = torch.floa
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=load_as)
     else:
         try:
-            model = _uninitialised_model_filled(config, load_as, lambda wanted: _safetensors_tensors(model_dir),
+            model = uninitialised_model_filled(config, load_as, lambda wanted: _safetensors_tensors(model_dir),
                                                 model_dir)
         except TensorMismatchError:
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=load_as)
