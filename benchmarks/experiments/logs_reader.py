@@ -10,7 +10,8 @@ References (the observer's text):
   python-docs and PII prompts from the same ten templates with its own Faker seed, wrapped in the public chat
   template (``logs_only.prior_ids('same-distribution')``). It shares no document or PII value with the client.
 
-Methods: ``log-reader`` (the new decipherer; volumes run in increasing order, each warm-started from the map this
+Methods: ``log-reader-lm`` (the same observer holding the public model: its next-token distribution after each
+candidate token joins the reference's bigram model, ``lm_successors``); ``log-reader`` (the new decipherer; volumes run in increasing order, each warm-started from the map this
 store holds for the previous volume, the likelier of the warm and the fresh map kept: an observer who reads the
 logs as they grow); ``stream-decipher`` (the earlier ``decipher_stream``, measured in the same run where it fits);
 controls at one volume: ``control/victim-text`` (positive: the traffic's own plaintext as reference) and
@@ -43,6 +44,7 @@ class Settings:
     controls_at: tuple[int, ...] = (10_000,)
     reference_tokens: int = 1_000_000
     old_max_candidates: int = 20_000
+    lm_at: tuple[int, ...] = ()  # volumes of the observer with the public model (log-reader-lm)
     seed: int = 0
     threads: int = 1
 
@@ -60,6 +62,7 @@ def run(s: Settings, store: ResultStore) -> None:
     from aloepri.runtime.tokenizer import load_hf_tokenizer
 
     keys = [f"log-reader/{r}/{v}" for r in s.references for v in s.volumes]
+    keys += [f"log-reader-lm/{r}/{v}" for r in s.references for v in s.lm_at]
     keys += [f"stream-decipher/{r}/{v}" for r in s.references for v in s.old_at]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
     todo = sorted((k for k in keys if not store.has(k)), key=lambda k: (int(k.rsplit("/", 1)[1]), k))
@@ -67,10 +70,11 @@ def run(s: Settings, store: ResultStore) -> None:
         return
     torch.set_num_threads(s.threads)
     tok = load_hf_tokenizer(model_path(s.model))
-    stream = build_stream(tok, max(s.volumes), s.seed)
+    stream = build_stream(tok, max(s.volumes + s.lm_at), s.seed)
     perm = np.random.default_rng(s.seed + 99).permutation(len(tok))  # the client's key (seeded: reproducible)
     pre, post = chat_wrapper(tok)
     refs: dict[str, list[np.ndarray]] = {}
+    lm = None
 
     def reference(name: str) -> list[np.ndarray]:
         if name not in refs:
@@ -105,11 +109,16 @@ def run(s: Settings, store: ResultStore) -> None:
             victim = key.startswith("control/victim-text")
             ref = truth_reqs if victim else reference(ref_name)
             init = None
-            prev = [v for v in s.volumes if v < volume]
+            prev = [v for v in (s.lm_at if method == "log-reader-lm" else s.volumes) if v < volume]
             if not victim and prev and store.has(f"{method}/{ref_name}/{max(prev)}"):
                 held = store.entries()[f"{method}/{ref_name}/{max(prev)}"]["map"]
                 init = dict(zip(held["cipher"], held["plain"]))
-            res = decipher_logs(observed, len(perm), ref, pre, post, init=init, seed=s.seed, progress=score)
+            if method == "log-reader-lm" and lm is None:
+                from aloepri.runtime.inference import load_plain_model
+
+                lm = load_plain_model(model_path(s.model))
+            res = decipher_logs(observed, len(perm), ref, pre, post, init=init, seed=s.seed, progress=score,
+                                lm=lm if method == "log-reader-lm" else None)
             guess = res.obf_to_plain[flat]
             seen = np.unique(flat)
             extra = {"trace": res.trace, "anchors": res.anchors, "warm_started_from": max(prev) if init else None,
@@ -179,6 +188,8 @@ CONFIGS = {
     "smollm2": Settings(),
     **{f"smollm2-seed{k}": Settings(volumes=(1_000, 10_000, 100_000), old_at=(), controls_at=(), seed=k)
        for k in (1, 2)},
+    # the observer with the public model (a config of its own: it loads the model)
+    "smollm2-lm": Settings(volumes=(), lm_at=(1_000, 10_000, 100_000), old_at=(), controls_at=()),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }

@@ -106,7 +106,7 @@ def test_lm_successors_are_a_distribution_over_candidates(tmp_path):
     cols = np.arange(0, VOCAB, 3)
     torch.manual_seed(0)
     nxt = lm_successors(model, cols, top=8, batch=50)
-    assert nxt.shape == (len(cols), len(cols)) and (nxt.getnnz(axis=1) == 8).all()
+    assert nxt.shape == (len(cols), len(cols)) and (nxt.getnnz(axis=1) <= 8).all() and nxt.nnz > 0
     assert (np.asarray(nxt.sum(axis=1)).ravel() <= 1 + 1e-5).all()
 
 

@@ -21,6 +21,7 @@ fit the volume the logs hold:
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -81,29 +82,42 @@ class CandidateModel:
         return out
 
 
-def lm_successors(model, cols: np.ndarray, top: int = 64, batch: int = 512, device=None) -> sp.csr_matrix:
+_SUCCESSORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {token: (next ids, probs)}
+
+
+def lm_successors(model, cols: np.ndarray, top: int = 64, batch: int = 256, device=None) -> sp.csr_matrix:
     """(C, C) sparse: for each candidate token alone as context, the public model's probabilities of its ``top``
-    likeliest next tokens among the candidates (one forward pass per candidate; its bigram view of the language,
-    from far more text than the observer's reference). Rows sum to at most 1."""
+    likeliest next tokens (over the whole vocabulary), kept where they are candidates: the model's bigram view of
+    the language, from far more text than the observer's reference. One forward pass per token, remembered per
+    model (a later volume or reference reuses them). Rows sum to at most 1."""
     import torch
 
-    c = len(cols)
     if device is None:
         params = getattr(model, "parameters", None)
         first = next(params(), None) if callable(params) else None
         device = first.device if first is not None else torch.device("cpu")
-    dev = device
-    cols_t = torch.as_tensor(cols, device=dev)
-    rows, idx, vals = [], [], []
+    try:
+        memo = _SUCCESSORS.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: no memory between calls
+        memo = {}
+    todo = [int(t) for t in cols if int(t) not in memo]
     with torch.no_grad():
-        for a in range(0, c, batch):
-            ids = torch.as_tensor(cols[a:a + batch], device=dev)[:, None]
+        for a in range(0, len(todo), batch):
+            ids = torch.as_tensor(todo[a:a + batch], device=device)[:, None]
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()
-            prob = torch.softmax(logits, dim=-1)[:, cols_t]
-            v, j = torch.topk(prob, min(top, c), dim=1)
-            rows.append(np.repeat(np.arange(a, a + len(ids)), v.shape[1]))
-            idx.append(j.cpu().numpy().ravel())
-            vals.append(v.cpu().numpy().ravel())
+            v, j = torch.topk(torch.softmax(logits, dim=-1), top, dim=1)
+            for t, jj, vv in zip(todo[a:a + batch], j.cpu().numpy(), v.cpu().numpy()):
+                memo[t] = (jj.astype(np.int64), vv.astype(np.float32))
+    c = len(cols)
+    index = {int(t): i for i, t in enumerate(cols)}
+    rows, idx, vals = [], [], []
+    for i, t in enumerate(cols):
+        nxt, p = memo[int(t)]
+        at = np.array([index.get(int(x), -1) for x in nxt])
+        ok = at >= 0
+        rows.append(np.full(int(ok.sum()), i))
+        idx.append(at[ok])
+        vals.append(p[ok])
     return sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(idx))), shape=(c, c))
 
 
@@ -210,7 +224,7 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
                   temperatures: Sequence[float] = (8.0, 4.0, 2.0, 1.0, 0.5), mf_iterations: int = 1,
                   damping: float = 0.0, sinkhorn_rounds: int = 3, block_rounds: int = 20,
                   anneal_steps: int = 400, anneal_candidates: int = 8_000, anneal_t_start: float = 4.0, seed: int = 0,
-                  lm=None, lm_weight: float = 0.5,
+                  lm=None, lm_weight: float = 0.15,
                   progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
 
