@@ -148,38 +148,12 @@ def render(entries: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(entries: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
-    series: dict[str, list[tuple[int, dict]]] = {}
-    for key, e in entries.items():
-        if key.startswith("control/"):
-            continue
-        series.setdefault(key.rsplit("/", 1)[0], []).append((e["tokens_observed"], e))
-    for name, pts in sorted(series.items()):
-        pts.sort(key=lambda x: x[0])
-        for ax, fld in zip(axes, ("user_text_recovery", "pii_recovery")):
-            ax.plot([x for x, _ in pts], [100 * (e[fld] or 0) for _, e in pts], "o-", label=name)
-    for ax, title in zip(axes, ("user's text tokens", "PII tokens")):
-        ax.set_xscale("log")
-        ax.set_xlabel("tokens observed")
-        ax.set_title(f"recovered: {title}")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("recovered (%)")
-    axes[1].legend(fontsize=6)
-    fig.suptitle("The log reader (no key, no obfuscated weights): recovery vs. volume", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def report(store: ResultStore) -> str:
+    from .logs_decipher import plot
+
     entries = store.entries()
     figure = store.figure_path(".png")
-    plot(entries, figure)
+    plot({k: e for k, e in entries.items() if not k.startswith("control/")}, figure)
     return render(entries) + f"\n\nFigure: results/{store.experiment}/{figure.name}"
 
 

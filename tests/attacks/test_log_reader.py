@@ -8,29 +8,7 @@ from aloepri.attacks import log_reader
 from aloepri.attacks.log_reader import CandidateModel, decipher_logs, lm_successors, log_likelihood, top_scores
 from aloepri.attacks.stream_decipher import ObservedStream, adjacency
 
-VOCAB = 400
-
-
-def markov_text(transitions: np.ndarray, n_seqs: int, length: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    cum = np.cumsum(transitions, axis=1)
-    out = []
-    for _ in range(n_seqs):
-        s = [int(rng.integers(len(transitions)))]
-        for u in rng.random(length - 1):
-            s.append(int(min(np.searchsorted(cum[s[-1]], u), len(transitions) - 1)))
-        out.append(np.asarray(s))
-    return out
-
-
-def zipf_chain(seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    base = 1.0 / np.arange(1, VOCAB + 1) ** 1.1
-    t = np.tile(base, (VOCAB, 1)) * 0.2
-    for u in range(VOCAB):
-        t[u, rng.choice(VOCAB, 4, replace=False, p=base / base.sum())] += rng.random(4) * 3
-    return t / t.sum(axis=1, keepdims=True)
-
+from test_attacks_stream import VOCAB, markov_text, zipf_chain
 
 PREFIX, SUFFIX = [390, 391, 392], [393, 394]
 
