@@ -14,7 +14,17 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Progress", "eta_text"]
+__all__ = ["Progress", "eta_text", "stage"]
+
+_ACTIVE: list["Progress"] = []  # the bars open now, innermost last: where ``stage`` reports
+
+
+def stage(what: str) -> None:
+    """Name the stage of the step running now (``attacks: vma · matching embeddings``) on the innermost open bar; a
+    long step with no count of its own (one attack of ``aloepri attack NAME``) then shows where it is. Nothing
+    when no bar is open."""
+    if _ACTIVE:
+        _ACTIVE[-1].stage(what)
 
 
 def _clock(seconds: float) -> str:
@@ -28,6 +38,8 @@ def eta_text(done_here: int, seconds_done: float, left: int, current_running: fl
     not done yet (the current one included); ``current_running``: how long the current step has run."""
     if left <= 0:
         return "done"
+    if done_here == 0 and left == 1:  # the only step (one attack): its running time, no estimate to make
+        return f"running {_clock(current_running)}"
     if done_here == 0:
         return f"ETA ? (first step running {_clock(current_running)})" if current_running >= 1 else "ETA ?"
     remaining = seconds_done / done_here * left - current_running
@@ -61,14 +73,17 @@ class Progress:
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
+        self._drawn: tuple | None = None  # (format, count, description) last drawn: never draw the same line twice
         if enabled:
             self._bar = tqdm(total=total, initial=done, desc=desc, unit=unit, dynamic_ncols=True,
                              bar_format=self._format("elapsed 00:00, ETA ?"))
-            self._redraw()
+            self._drawn = (self._bar.bar_format, self._bar.n, self._bar.desc)
             # every second on a terminal; into a log file only every minute, so the file stays readable
             interval = 1.0 if getattr(sys.stderr, "isatty", lambda: False)() else 60.0
             self._thread = threading.Thread(target=self._tick, args=(interval,), daemon=True)
             self._thread.start()
+            _ACTIVE.append(self)
+        self._step = ""
 
     @property
     def n(self) -> int:
@@ -87,8 +102,14 @@ class Progress:
 
     def _redraw(self) -> None:
         with self._lock:  # the ticking thread and the caller both redraw
-            if self._bar is not None:
-                self._bar.bar_format = self._format(self._text())
+            if self._bar is None:
+                return
+            self._bar.bar_format = self._format(self._text())
+            state = (self._bar.bar_format, self._bar.n, self._bar.desc)
+            # the final count is drawn once, by close(); a line equal to the last one is not drawn again (in a log
+            # file every draw is a line of its own)
+            if state != self._drawn and self._n < self.total:
+                self._drawn = state
                 self._bar.refresh()
 
     def _tick(self, interval: float) -> None:
@@ -97,9 +118,18 @@ class Progress:
 
     def start(self, what: str) -> None:
         """Name the step that runs now (shown before the count)."""
+        self._step = what
         if self._bar is not None:
             with self._lock:
                 self._bar.set_description_str(f"{self.desc}: {what}" if what else self.desc, refresh=False)
+            self._redraw()
+
+    def stage(self, what: str) -> None:
+        """Name the stage of the running step (after its name), with the time the stage began."""
+        if self._bar is not None:
+            step = f"{self._step} · {what}" if self._step else what
+            with self._lock:
+                self._bar.set_description_str(f"{self.desc}: {step}", refresh=False)
             self._redraw()
 
     def skip(self, n: int = 1) -> None:
@@ -133,14 +163,16 @@ class Progress:
                 self._bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._bar is not None:
-            self._redraw()
             with self._lock:
-                self._bar.close()
+                self._bar.bar_format = self._format(self._text())
+                self._bar.close()  # draws the final line, once
                 self._bar = None
 
     def __enter__(self) -> "Progress":

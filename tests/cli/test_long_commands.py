@@ -57,6 +57,26 @@ def test_a_step_that_outlasts_the_estimate_says_so_instead_of_freezing():
     assert eta_text(3, 30.0, 4, 100.0).startswith("ETA ? (this step is slower than the average")
 
 
+def test_a_single_step_shows_its_running_time_and_stage_and_the_final_line_is_drawn_once(monkeypatch):
+    import io
+    import sys as _sys
+
+    from aloepri.progress import stage
+
+    assert eta_text(0, 0.0, 1, 75.0) == "running 01:15"  # one attack: no "ETA ?" for its whole run
+    err = io.StringIO()
+    monkeypatch.setattr(_sys, "stderr", err)
+    with Progress(1, "attacks", unit="attack") as bar:
+        bar.start("vma")
+        stage("matching embeddings")
+        assert "attacks: vma · matching embeddings" in err.getvalue()
+        bar.advance()
+    stage("after the bar closed")  # no bar open: nothing drawn, no error
+    lines = [ln.strip() for ln in err.getvalue().replace("\r", "\n").split("\n") if ln.strip()]
+    assert sum("1/1" in ln for ln in lines) == 1, lines
+    assert "after the bar closed" not in err.getvalue()
+
+
 def test_progress_counts_resumed_steps_but_not_their_time():
     bar = Progress(5, "x", enabled=False, done=2)
     bar.skip()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..progress import stage
 from ..runtime.modules import ModelModules
 from ..runtime.probe import FirstLayerQK, layer_states, residual_streams
 from ..storage.devices import model_device
@@ -582,11 +583,14 @@ def isa_anchor_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
     if anchors is None:
         pairs, view = attacker_view(target, data, template)
         anchors = [(int(o), int(pairs.obf_to_plain[o])) for o in pairs.known_obf]
+    stage("fitting the state map on the anchors")
     W = fit_state_map(target.plain_model, target.obf_model, anchors, map_cfg, seed)
     W, map_info = W
+    stage("inverting the mapped states")
     to_plain = lambda h: (h.double() @ W).float()  # noqa: E731
     res = isa_hidden_attack(target, data, budget, seed, cfg=cfg, state_map=to_plain)
     # diagnostics (ground truth used for scoring only): fit error on the victim's own states, vocabulary recovery
+    stage("diagnostics")
     observed = data.observed(target)
     idx = _prompts(data, observed, cfg)
     errs = []

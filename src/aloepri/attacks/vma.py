@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..progress import stage
 from ..runtime.modules import ModelModules
 from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_mapping
 
@@ -282,6 +283,7 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
             log: Callable[[str], None] | None = None) -> AttackResult:
     cfg = dict(VMA_BUDGETS.get(budget.name, VMA_BUDGETS["full"]))
     cfg.update(config or {})
+    stage("loading both models")
     plain, obf = target.plain_model, target.obf_model
     n = embed_matrix(plain).shape[0]
     if embed_matrix(obf).shape[0] != n:
@@ -300,11 +302,13 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
     if not srcs_p:
         raise ValueError(f"no VMA weight combination available for products {prods}")
     cand, qry = [], []
-    for sp, so in zip(srcs_p, srcs_o):
+    for j, (sp, so) in enumerate(zip(srcs_p, srcs_o)):
+        stage(f"weight signatures {j + 1}/{len(srcs_p)}")
         cand.append(signatures(sp, None, cfg["sketch"]))
         qry.append(signatures(so, q_t, cfg["sketch"]))
         if log:
             log(f"VMA source {sp.name} layer {sp.layer} ready")
+    stage("matching")
     fused, per_source, summed, keep = vote_match(qry, cand)
 
     mapping = np.full(n, -1, dtype=np.int64)
