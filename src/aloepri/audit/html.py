@@ -336,9 +336,11 @@ def _log_reader_html(report: dict[str, Any], sections: list[dict[str, Any]] | No
         rows = "".join(f'<tr><td class="num">{int(c["tokens"]):,}</td><td class="num">'
                        f'{_pct(c.get("prompt_token_recovery"))}</td><td class="num">{_pct(c.get("pii_token_recovery"))}'
                        f'</td></tr>' for c in curve)
-        out.append("<p>Measured by this audit against the volume of traffic (synthetic traffic permuted with your "
-                   "key):</p><table><tr><th>Tokens observed</th><th>Prompt tokens read</th><th>PII tokens read</th>"
-                   f"</tr>{rows}</table>")
+        out.append("<p>Measured by this audit against the volume of traffic: your prompts among public PII-like "
+                   "prompts in the chat template, permuted with your key, deciphered with public text as the "
+                   "reader's reference, each volume warm-started from the last (<code>--traffic-tokens</code> "
+                   "sets the largest):</p><table><tr><th>Tokens observed</th><th>User-text tokens read</th>"
+                   f"<th>PII tokens read</th></tr>{rows}</table>")
     for s in sections or []:
         if s.get("id") == LOG_READER_SECTION:
             out.append(_section_html(s, ""))
