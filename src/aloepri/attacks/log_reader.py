@@ -356,14 +356,15 @@ def anneal(model: CandidateModel, left, right, counts, total, m: np.ndarray, fix
     k = len(work)
     widx = np.full(c + 1, -1, np.int64)
     widx[work] = np.arange(k)
-    lb = model.lift[work][:, work].toarray()
-    lb += model.base[work][None, :]
-    # one extra working column for 'unknown': log P(unk | a) = unk_logp; log P(b | unk) = base[b]
+    # dense over the working set only (float32), filled in place: no second dense copy
     log_bigram = np.empty((k + 1, k + 1), np.float32)
-    log_bigram[:k, :k] = lb
+    log_bigram[:k, :k] = model.base[work][None, :]
+    sub = model.lift[work][:, work].tocoo()
+    log_bigram[sub.row, sub.col] += sub.data
+    del sub
+    # one extra working column for 'unknown': log P(unk | a) = unk_logp; log P(b | unk) = base[b]
     log_bigram[k, :k] = model.base[work]
     log_bigram[:, k] = model.unk_logp
-    del lb
     start = np.where(m < c, widx[np.minimum(m, c)], k)
     start[(m < c) & (start < 0)] = k
     frozen = dict(fixed)
