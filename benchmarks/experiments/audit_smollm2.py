@@ -7,6 +7,10 @@ massive-activation dimensions kept out of the key's mixing: no noise; the `defau
 The done-criterion of the audit: on this setting it must report >= 90% of prompt tokens recovered (the behavioural
 attack and weight matching read the prompts there), and < 90% only where its attacks truly fail. ``existing``
 (a report directory written by `aloepri audit` on that setting) records an audit already run instead.
+
+With ``engine`` set, the audit is the real command (``aloepri audit ... --engine E``) in a fresh child process
+(benchmarks.lib.command_child), and the entry ``process`` holds its wall and CPU seconds (every thread) and peak
+RSS (VmHWM), model loading included: the figures a user's run would show.
 """
 from __future__ import annotations
 
@@ -28,6 +32,14 @@ class Settings:
     # and output dtype (benchmarks.lib.targets: the 1.5B model takes 10 min to obfuscate)
     seed: int = 0
     dtype: str = ""
+    engine: str = ""  # "": run_audit in this process (torch); else `aloepri audit --engine ENGINE` in a child
+    all_attacks: bool = False
+    device: str = "cpu"  # the child's --device (cuda: the torch engine on the GPU)
+    # a random-weight checkpoint of a published shape instead of a bundled model (aloepri.testing.synthetic:
+    # FAMILY, its depth and vocabulary; 0 = as published), written once into the benchmarks' cache
+    synthetic: str = ""
+    synthetic_layers: int = 0
+    synthetic_vocab: int = 0
 
 
 def shorten_paths(report: dict) -> dict:
@@ -52,7 +64,7 @@ def run(s: Settings, store: ResultStore) -> None:
 
         from ..lib.models import model_path
 
-        src = model_path(s.model)
+        src = synthetic_source(s) if s.synthetic else model_path(s.model)
         params = aloepri.resolve_params("exact", h=0, outlier_dims=4)
         output = {"dtype": s.dtype} if s.dtype else {}
         with tempfile.TemporaryDirectory(prefix="audit-") as work:
@@ -65,10 +77,14 @@ def run(s: Settings, store: ResultStore) -> None:
             else:
                 server, key = w / "server", w / "client.key"
                 aloepri.obfuscate(src, server, key, params, progress=False, **output)
-            report = run_audit(src, server, key, s.budget, w / "report", threads=s.threads, progress=False,
-                               log=print,
-                               command=f"aloepri audit {src.name} --obfuscated server --key client.key "
-                                       f"--budget {s.budget} --out report --threads {s.threads}").data
+            if s.engine:
+                process, report = _audit_child(s, src, server, key, w)
+                store.put("process", process)
+            else:
+                report = run_audit(src, server, key, s.budget, w / "report", threads=s.threads, progress=False,
+                                   log=print,
+                                   command=f"aloepri audit {src.name} --obfuscated server --key client.key "
+                                           f"--budget {s.budget} --out report --threads {s.threads}").data
     params = report["parameters"]["params"]
     if not (params["h"] == 0 and params["alpha_e"] == 0 and params["alpha_h"] == 0 and params["outlier_dims"] == 4):
         raise ValueError(f"not the lossless setting: {params}")
@@ -76,18 +92,63 @@ def run(s: Settings, store: ResultStore) -> None:
     print(f"worst {report['worst_prompt_token_recovery']} ({report['worst_attack']}), {report['time']['seconds']} s")
 
 
+def synthetic_source(s: Settings) -> Path:
+    """The random-weight checkpoint of ``s.synthetic`` (written shard by shard on first use, then reused)."""
+    import shutil
+
+    from aloepri.testing.synthetic import write_synthetic_checkpoint
+
+    from ..lib.targets import WORK
+
+    out = Path(WORK) / f"synthetic-{s.synthetic}-{s.synthetic_layers or 'all'}-{s.synthetic_vocab or 'full'}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_synthetic_checkpoint(s.synthetic, tmp, num_layers=s.synthetic_layers or None,
+                                   vocab_size=s.synthetic_vocab or None)
+        tmp.rename(out)
+    return out
+
+
+def _audit_child(s: Settings, src: Path, server: Path, key: Path, work: Path) -> tuple[dict, dict]:
+    import subprocess
+    import sys
+
+    from ..lib.provenance import REPO
+
+    argv = ["audit", str(src), "--obfuscated", str(server), "--key", str(key), "--budget", s.budget, "--out",
+            str(work / "report"), "--threads", str(s.threads), "--engine", s.engine, "--quiet"] + \
+        (["--all-attacks"] if s.all_attacks else []) + (["--device", s.device] if s.device != "cpu" else [])
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(work / "child.json"), "--",
+                           *argv], cwd=REPO, capture_output=True, text=True)
+    print(proc.stdout[-2000:], flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"aloepri audit failed ({proc.returncode}): {proc.stderr[-2500:]}")
+    child = json.loads((work / "child.json").read_text())
+    process = {"wall_seconds": child["seconds"], "cpu_seconds": child["cpu_seconds"],
+               "load_seconds": child["load_seconds"], "peak_rss_gib": round(child["peak_rss_mib"] / 1024, 2),
+               "command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv)}
+    return process, json.loads((work / "report" / "report.json").read_text())
+
+
 def report(store: ResultStore) -> str:
     r = store.get("report")
     if r is None:
         return "(no audit stored)"
+    proc = store.get("process")
+    engine = r.get("engine") or {"name": "torch", "why": "(before --engine: both models in process, float32)"}
     lines = [r["verdict"]["headline"], "",
              f"budget {r['budget']}, complete {r['complete']}, {r['time']['seconds']:.0f} s; command: `{r['command']}`",
+             f"engine {engine['name']}: {engine['why']}" + (
+                 f"; the whole command: {proc['wall_seconds'] / 60:.1f} min wall, {proc['cpu_seconds'] / 60:.1f} min "
+                 f"CPU, peak RSS {proc['peak_rss_gib']:.2f} GiB" if proc else ""),
              "", "| attack | observer | status | TTRSR (%) | PIIRSR (%) | seconds | peak RSS (GiB) |",
              "|---|---|---|---|---|---|---|"]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     fid = r.get("fidelity", {})
     if fid.get("status") == "ran":
-        lines.append(f"| (fidelity: top-1 {fid['top1_agreement']:.4f}) | - | ran | - | - | {fid.get('seconds', '-')} | "
+        where = f", {fid['engine']}, {fid.get('models_held', 'both models held')}" if fid.get("engine") else ""
+        lines.append(f"| (fidelity: top-1 {fid['top1_agreement']:.4f}{where}) | - | ran | - | - | {fid.get('seconds', '-')} | "
                      f"{fid.get('peak_rss_gib') or '-'} |")
     for a in r["attacks"]:
         why = f" ({a['why']})" if a["status"] == "skipped" and a.get("why") else ""
@@ -103,6 +164,20 @@ CONFIGS = {"ci": Settings(),
            # the 1.5B model (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M) at the default budget, on the bfloat16 output
            # `aloepri obfuscate` writes from it (the cached `default` checkpoint of llamacpp_quantized)
            "qwen-coder-1.5b-small": Settings(budget="small", threads=2, model="qwen-coder-1.5b", seed=2026,
-                                             dtype="bfloat16")}
+                                             dtype="bfloat16"),
+           # the same checkpoint, the same command, with the attacker on llama.cpp q8_0: the fidelity step and the
+           # attacks that run the models on the engine, one model at a time
+           "qwen-coder-1.5b-small-llamacpp": Settings(budget="small", threads=2, model="qwen-coder-1.5b", seed=2026,
+                                                      dtype="bfloat16", engine="llamacpp-q8_0"),
+           # SmolLM2 at ci with every attack (none skipped as not needed), the command in a child: its CPU time
+           "ci-all-attacks": Settings(threads=1, seed=2026, engine="torch", all_attacks=True),
+           "ci-all-attacks-llamacpp": Settings(threads=1, seed=2026, engine="llamacpp-q8_0", all_attacks=True),
+           # the prepared GPU command (docs/performance.md): a Llama-3.1-8B-shaped checkpoint (random weights, full
+           # width and vocabulary, 8 of its 32 layers: what a device call's 10 minutes fit), audited at ci with the
+           # torch engine on the GPU; and the same path at 2 layers and a 16k vocabulary on the CPU, how it is tested here
+           "synthetic-8b-cuda": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=8,
+                                         seed=2026, engine="torch", device="cuda", threads=8),
+           "synthetic-8b-2layers-cpu": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=2,
+                                                synthetic_vocab=16384, seed=2026, engine="torch", threads=2)}
 DOCS = ("docs/audit.md",)
 NOTES = "CPU; obfuscates with a fresh random seed each run, as a user would"

