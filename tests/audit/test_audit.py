@@ -395,7 +395,7 @@ def test_smollm2_lossless_audit_reads_the_prompts(tmp_path):
     smol = smollm2_or_skip()
     aloepri.obfuscate(smol, tmp_path / "server", tmp_path / "client.key",
                       aloepri.resolve_params("exact", h=0, outlier_dims=4), seed=2027, allow_weak_seed=True,
-                      progress=False)
+                      progress=False, dtype="float32")
     plan = (PlannedAttack("gate-ia", PROVIDER, ("ci",)), PlannedAttack("vma", PROVIDER, ("ci",)))
     rep = run_audit(smol, tmp_path / "server", tmp_path / "client.key", "ci", tmp_path / "r", prompts=5,
                     progress=False, plan=plan)

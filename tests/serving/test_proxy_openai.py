@@ -710,7 +710,7 @@ def test_qwen_coder_calls_a_tool_through_the_proxy(tmp_path):
     except ModelNotInstalledError as e:
         pytest.skip(str(e))
     aloepri.obfuscate(gguf, tmp_path / "server", tmp_path / "client.key", aloepri.resolve_params("exact"),
-                      seed=5, allow_weak_seed=True, progress=False)
+                      seed=5, allow_weak_seed=True, progress=False, dtype="float32")
     server = LocalServer(tmp_path / "server", dtype=torch.float32)
     with ServerThread(server.app()) as up:
         p = build_proxy(tmp_path / "client.key", up, tokenizer=str(gguf), served_model_name="qwen")
