@@ -86,6 +86,14 @@ def test_lm_successors_are_a_distribution_over_candidates(tmp_path):
     nxt = lm_successors(model, cols, top=8, batch=50)
     assert nxt.shape == (len(cols), len(cols)) and (nxt.getnnz(axis=1) <= 8).all() and nxt.nnz > 0
     assert (np.asarray(nxt.sum(axis=1)).ravel() <= 1 + 1e-5).all()
+    # the observer with the model: it reads the 50 most frequent candidates; the map stays 1:1
+    chain = zipf_chain(0)
+    plain = [np.concatenate([PREFIX, s, SUFFIX]) for s in markov_text(chain, 10, 40, 1)]
+    observed = [np.random.default_rng(5).permutation(VOCAB)[p] for p in plain]
+    res = decipher_logs(observed, VOCAB, markov_text(chain, 50, 100, 2), PREFIX, SUFFIX, lm=model, lm_candidates=50,
+                        anneal_steps=20)
+    g = res.obf_to_plain[np.unique(np.concatenate(observed))]
+    assert (g >= 0).all() and len(np.unique(g)) == len(g)
 
 
 def test_log_likelihood_prefers_the_true_map_with_its_own_text(traffic):

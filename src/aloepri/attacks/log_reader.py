@@ -63,8 +63,11 @@ class CandidateModel:
         coo = pairs.tocoo()
         cond = sp.csr_matrix((coo.data / ctx[coo.row], (coo.row, coo.col)), shape=(c, c))
         if lm_next is not None:
-            # the public model's next-token distribution after each candidate (its top successors), mixed in
-            cond = (1 - lm_weight) * cond + lm_weight * lm_next
+            # the public model's next-token distribution after each candidate (its top successors), mixed in where
+            # the model was read (rows with no successors keep the reference's alone)
+            has = np.asarray(lm_next.getnnz(axis=1)) > 0
+            cond = sp.diags(np.where(has, 1 - lm_weight, 1.0)) @ cond + lm_weight * lm_next
+            cond = sp.csr_matrix(cond)
             cond.sum_duplicates()
         coo = cond.tocoo()
         lift = np.log1p(lam * coo.data / ((1 - lam) * p[coo.col]))
@@ -85,11 +88,13 @@ class CandidateModel:
 _SUCCESSORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {token: (next ids, probs)}
 
 
-def lm_successors(model, cols: np.ndarray, top: int = 64, batch: int = 256, device=None) -> sp.csr_matrix:
-    """(C, C) sparse: for each candidate token alone as context, the public model's probabilities of its ``top``
-    likeliest next tokens (over the whole vocabulary), kept where they are candidates: the model's bigram view of
-    the language, from far more text than the observer's reference. One forward pass per token, remembered per
-    model (a later volume or reference reuses them). Rows sum to at most 1."""
+def lm_successors(model, tokens: np.ndarray, top: int = 64, batch: int = 256, device=None,
+                  cols: np.ndarray | None = None) -> sp.csr_matrix:
+    """(len(tokens), C) sparse: for each token alone as context, the public model's probabilities of its ``top``
+    likeliest next tokens (over the whole vocabulary), kept where they are among ``cols`` (default ``tokens``):
+    the model's bigram view of the language, from far more text than the observer's reference. One forward pass
+    per token, remembered per model (a later volume or reference reuses them). Rows sum to at most 1."""
+    cols = tokens if cols is None else cols
     import torch
 
     if device is None:
@@ -100,7 +105,7 @@ def lm_successors(model, cols: np.ndarray, top: int = 64, batch: int = 256, devi
         memo = _SUCCESSORS.setdefault(model, {})
     except TypeError:  # not weak-referenceable: no memory between calls
         memo = {}
-    todo = [int(t) for t in cols if int(t) not in memo]
+    todo = [int(t) for t in tokens if int(t) not in memo]
     with torch.no_grad():
         for a in range(0, len(todo), batch):
             ids = torch.as_tensor(todo[a:a + batch], device=device)[:, None]
@@ -111,14 +116,15 @@ def lm_successors(model, cols: np.ndarray, top: int = 64, batch: int = 256, devi
     c = len(cols)
     index = {int(t): i for i, t in enumerate(cols)}
     rows, idx, vals = [], [], []
-    for i, t in enumerate(cols):
+    for i, t in enumerate(tokens):
         nxt, p = memo[int(t)]
         at = np.array([index.get(int(x), -1) for x in nxt])
         ok = at >= 0
         rows.append(np.full(int(ok.sum()), i))
         idx.append(at[ok])
         vals.append(p[ok])
-    return sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(idx))), shape=(c, c))
+    return sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(idx))),
+                         shape=(len(tokens), c))
 
 
 def log_likelihood(model: CandidateModel, pairs: sp.coo_matrix, m: np.ndarray, total: int) -> float:
@@ -224,7 +230,7 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
                   temperatures: Sequence[float] = (8.0, 4.0, 2.0, 1.0, 0.5), mf_iterations: int = 1,
                   damping: float = 0.0, sinkhorn_rounds: int = 3, block_rounds: int = 20,
                   anneal_steps: int = 400, anneal_candidates: int = 8_000, anneal_t_start: float = 4.0, seed: int = 0,
-                  lm=None, lm_weight: float = 0.15,
+                  lm=None, lm_weight: float = 0.15, lm_candidates: int | None = None,
                   progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
 
@@ -244,7 +250,11 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     n_cand = int(min(len(seen), max(max_candidates, candidates_per_id * n)))
     cols = seen[np.argsort(-ref_counts[seen], kind="stable")][:n_cand]
     cols = np.concatenate([cols, np.setdiff1d(np.fromiter(anchors.values(), np.int64, len(anchors)), cols)])
-    lm_next = lm_successors(lm, cols) if lm is not None else None
+    lm_next = None
+    if lm is not None:  # the model reads the ``lm_candidates`` most frequent candidates (all when None)
+        read = cols[:lm_candidates] if lm_candidates else cols
+        lm_next = sp.vstack([lm_successors(lm, read, cols=cols),
+                             sp.csr_matrix((len(cols) - len(read), len(cols)), dtype=np.float32)]).tocsr()
     model = CandidateModel(reference, cols, vocab_size, lm_next=lm_next, lm_weight=lm_weight)
     c = len(cols)
     fixed = {r: int(model.index[p]) for r, p in anchors.items()}
@@ -456,12 +466,14 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     reference = public_reference(tok, int(max(300_000, 1_000_000 * min(1.0, 4 * budget.scale))))
     steps = int(400 * min(1.0, max(0.25, 4 * budget.scale)))
     lm = target.public_lm() if with_lm else None
+    # one forward pass per candidate the model reads: 2,400 at ci, 12,000 from small up
+    lm_reads = int(12_000 * min(1.0, 4 * budget.scale))
     ends = np.cumsum([len(r) for r in observed])
     curve, init, res = [], None, None
     for vol in curve_volumes(int(ends[-1])):
         k = int(min(len(observed), np.searchsorted(ends, vol) + 1))
         res = decipher_logs(observed[:k], vocab, reference, pre, post, init=init, anneal_steps=steps, seed=seed,
-                            lm=lm)
+                            lm=lm, lm_candidates=lm_reads)
         flat = np.concatenate(observed[:k])
         truth = np.concatenate(plain_reqs[:k])
         ok = res.obf_to_plain[flat] == truth
