@@ -72,6 +72,9 @@ def test_anchors_one_to_one_and_the_likelier_start_kept(traffic):
     assert lls["kept"] == kept
     # warm-started from the truth, the observer keeps a map at least as likely as where it started
     assert kept >= lls["warm start"] - 1e-6
+    warm_only = decipher_logs(observed, VOCAB, ref, PREFIX, SUFFIX, init=truth, anneal_steps=20, seed=1, fresh=False)
+    assert [e["stage"] for e in warm_only.trace][0] == "warm start"
+    assert "matching" not in [e["stage"] for e in warm_only.trace]
 
 
 def test_lm_successors_are_a_distribution_over_candidates(tmp_path):

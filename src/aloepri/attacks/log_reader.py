@@ -230,12 +230,12 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
                   temperatures: Sequence[float] = (8.0, 4.0, 2.0, 1.0, 0.5), mf_iterations: int = 1,
                   damping: float = 0.0, sinkhorn_rounds: int = 3, block_rounds: int = 20,
                   anneal_steps: int = 400, anneal_candidates: int = 8_000, anneal_t_start: float = 4.0, seed: int = 0,
-                  lm=None, lm_weight: float = 0.15, lm_candidates: int | None = None,
+                  lm=None, lm_weight: float = 0.15, lm_candidates: int | None = None, fresh: bool = True,
                   progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
 
     ``init``: cipher id -> plaintext guess from earlier (a warm start; refined alongside the fresh run, the likelier
-    kept). ``max_candidates`` / ``candidates_per_id``: plaintext types considered (the reference's most frequent,
+    kept; ``fresh=False``: the warm start alone, half the time). ``max_candidates`` / ``candidates_per_id``: plaintext types considered (the reference's most frequent,
     at most ``max_candidates``, at least ``candidates_per_id`` per observed id where the reference has them).
     Memory: O(nnz of the bigram model + ids x top_k + anneal_candidates^2), never ids x candidates."""
     t0 = time.perf_counter()
@@ -285,9 +285,10 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
         return m
 
     # 3. mean-field annealing from the counts alone (uniform beliefs: no context yet)
+    fresh = fresh or not init
     belief = onehot(fix(np.full(n, c, np.int64)), c)
     top, val = top_scores(model, left, right, belief, counts, total, top_k)
-    for temp in temperatures:
+    for temp in (temperatures if fresh else ()):
         for _ in range(mf_iterations):
             z = val.astype(np.float64) / temp
             prob = np.exp(z - z.max(axis=1, keepdims=True))
@@ -299,8 +300,9 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
             belief = (1 - damping) * _belief(top, prob, c) + damping * belief if damping else _belief(top, prob, c)
             top, val = top_scores(model, left, right, belief, counts, total, top_k)
         record({"stage": f"mean-field T={temp:g}"}, fix(top[np.arange(n), np.argmax(val, axis=1)]))
-    starts = [("fresh", fix(match(top, val, c, fixed)))]
-    record({"stage": "matching"}, starts[0][1])
+    starts = [("fresh", fix(match(top, val, c, fixed)))] if fresh else []
+    if fresh:
+        record({"stage": "matching"}, starts[0][1])
     if init:
         warm = fix(np.array([model.index[init[int(i)]] if int(i) in init and init[int(i)] >= 0 else c
                              for i in stream.cipher_ids], np.int64))
