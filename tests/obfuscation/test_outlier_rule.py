@@ -42,10 +42,16 @@ def test_the_presets_keep_the_dimensions_measured_above_the_threshold(tmp_path):
 
 def test_the_weights_choose_where_the_public_model_cannot_be_run(tmp_path, monkeypatch):
     src = _planted(tmp_path / "src")
-    monkeypatch.setattr(residual, "MEMORY_SHARE", 0.0)  # too big to measure, whatever the machine
+    monkeypatch.setattr(residual, "MEASURE_MAX_BYTES", 1000)  # the model counts as too big to measure
     res = aloepri.obfuscate(src, tmp_path / "out", tmp_path / "key.json", aloepri.resolve_params("default"), seed=3,
                             allow_weak_seed=True, progress=False)
-    assert len(res.kept_dims) == residual.FALLBACK_COUNT and res.kept_dims_rule.startswith("weights (measuring needs")
+    assert len(res.kept_dims) == residual.FALLBACK_COUNT and res.kept_dims_rule.startswith("weights (the model is")
+    # within the limit but not in memory: refused, with the way out (a machine never changes which rule applies)
+    import aloepri.obfuscation.pipeline as pipeline
+
+    monkeypatch.setattr(residual, "MEASURE_MAX_BYTES", 16 << 30)
+    with pytest.raises(ValueError, match="--outlier-dims 4"):
+        residual.kept_dims(pipeline.open_checkpoint(src), 16.0, 64, 1000, lambda: ())
 
 
 def test_dims_above_takes_the_largest_over_the_threshold_up_to_the_limit():

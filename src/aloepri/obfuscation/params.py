@@ -50,8 +50,8 @@ class ObfuscationParams:
     outlier_rms        the presets' rule instead of a count: keep every residual dimension whose RMS, measured on
                        the public model (obfuscation/residual.py: a fixed public input, every layer's output, every
                        position), is at least outlier_rms times the median dimension's (at most MAX_OUTLIER_DIMS,
-                       the largest). Where the public model cannot be run in memory, or is an FP8 release, the 4
-                       largest feed-forward output rows instead. 0 = off; set either this or outlier_dims
+                       the largest). For a model above 16 GiB in bfloat16, or an FP8 release, the 4 largest
+                       feed-forward output rows instead. 0 = off; set either this or outlier_dims
     """
 
     alpha_e: float = 0.0

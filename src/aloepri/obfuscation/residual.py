@@ -9,10 +9,12 @@ residual stream (every layer's output, every position) is at least ``outlier_rms
 Everything here is a function of the public model: the server can compute the same list, so choosing by it
 reveals nothing the public model does not (docs/security.md, "Outlier dimensions").
 
-The measurement holds the public model in bfloat16 in memory (3 GB for Qwen2.5-Coder-1.5B). Where that does not
-fit, or the source is an FP8 release (which transformers does not run on the CPU), the kept dimensions are the
-``FALLBACK_COUNT`` largest feed-forward output rows of the public weights instead (``massive_activation_dims``,
-the rule before this one), and ``kept_dims_rule`` says so.
+The measurement holds the public model in bfloat16 in memory (3.6 GB for Qwen2.5-Coder-1.5B). For a model above
+MEASURE_MAX_BYTES in bfloat16, or an FP8 release (which transformers does not run on the CPU), the kept dimensions
+are the ``FALLBACK_COUNT`` largest feed-forward output rows of the public weights instead
+(``massive_activation_dims``, the rule before this one), and ``kept_dims_rule`` says so. Which rule applies
+depends on the model alone, never on the machine, so a seed gives the same model everywhere; a model within the
+limit that does not fit in the available memory is refused with the way out (``outlier_dims``).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ CALIBRATION_SEQUENCES = 4
 CALIBRATION_LENGTH = 64
 CALIBRATION_SEED = 20261128
 FALLBACK_COUNT = 4  # the weight-chosen count of the rule before this one (presets' outlier_dims=4)
-MEMORY_SHARE = 0.5  # the measurement may use at most this share of the available memory
+MEASURE_MAX_BYTES = 16 << 30  # bfloat16 parameters (an 8B model); above: the weights' FALLBACK_COUNT
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,13 @@ def kept_dims(source, threshold: float, limit: int, available: int | None, fallb
     if source.fp8 is not None:
         return KeptDims(fallback(), "weights (an FP8 source is not run on the CPU)")
     need = measurement_bytes(source)
-    if available is not None and need > MEMORY_SHARE * available:
-        return KeptDims(fallback(), f"weights (measuring needs {need / 2**30:.1f} GiB, "
-                                    f"{available / 2**30:.1f} GiB available)")
+    if need > MEASURE_MAX_BYTES:
+        return KeptDims(fallback(), f"weights (the model is {need / 2**30:.1f} GiB in bfloat16, above the "
+                                    f"{MEASURE_MAX_BYTES / 2**30:.0f} GiB measured)")
+    if available is not None and need > available:
+        raise ValueError(f"choosing the kept residual dimensions (outlier_rms) runs the public model in bfloat16: "
+                         f"{need / 2**30:.1f} GiB, but {available / 2**30:.1f} GiB are available; free memory, or "
+                         f"choose them from the weights instead (--outlier-dims {FALLBACK_COUNT})")
     cfg = source.config
     model = _quietly(plain_model, source.path, torch.bfloat16)  # no loading bar of transformers' in the run's log
     try:
