@@ -127,9 +127,10 @@ def test_a_wrong_key_is_refused_at_start(servers, tmp_path, capsys):
                            "--upstream", servers["obf"], "--tokenizer", str(servers["smol"]), "--port", "9"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " backend: " not in ln]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "key" in lines[0].lower()
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in proc.stderr and "HTTP Request" not in proc.stderr, proc.stderr
+    assert [ln for ln in lines if "backend: " not in ln] == [lines[-1]], proc.stderr  # the choice, then one line
+    assert lines[-1].startswith("aloepri proxy: error: the key does not belong to the model"), proc.stderr
 
 
 def test_the_cli_starts_with_no_backend_and_says_what_it_chose(servers, tmp_path):
@@ -230,11 +231,13 @@ def test_logprobs_are_the_plaintext_models_on_the_same_engine(servers, stream):
     want = _plain(servers, prompt, 8, n_probs=3)["completion_probabilities"]
     tok = servers["core"].tokenizer
     assert len(entries) == len(want) or len(entries) == len(want) - 1  # the EOS entry, if any, has no text
+    diffs = []
     for e, w in zip(entries, want):
-        assert math.isclose(e.logprob, w["logprob"], abs_tol=2e-3), (e, w)
         assert [t.token for t in e.top_logprobs] == [tok.decode([t["id"]]) for t in w["top_logprobs"]]
-        assert all(math.isclose(t.logprob, wt["logprob"], abs_tol=2e-3)
-                   for t, wt in zip(e.top_logprobs, w["top_logprobs"]))
+        diffs += [abs(e.logprob - w["logprob"])] + [abs(t.logprob - wt["logprob"])
+                                                    for t, wt in zip(e.top_logprobs, w["top_logprobs"])]
+    print(f"logprobs: max |obfuscated - plaintext| = {max(diffs):.2e} over {len(diffs)} values")
+    assert max(diffs) < 1e-4  # f32 weights and KV cache, flash attention off (on, they differ by up to 7e-3)
 
 
 def test_a_stop_string_ends_the_reply_on_this_side(servers):
@@ -260,6 +263,44 @@ def test_tools_on_a_model_whose_template_renders_none_are_refused_with_the_reaso
     r = c.chat.completions.create(model="aloepri", messages=[{"role": "user", "content": QUESTION}], tools=[tool],
                                   tool_choice="none", max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+
+
+def test_tools_rendered_by_a_template_that_takes_them_reach_llama_server_as_ids(servers):
+    """SmolLM2's tokenizer with Qwen2.5's tool template (SmolLM2 is not trained to call tools, so the reply is
+    whatever it says; a real tool call through the proxy: test_proxy_openai.py's Qwen2.5-Coder test): the tools
+    are rendered into the prompt on this side, reach the server as permuted ids only, and the reply comes back
+    as an OpenAI message, streamed and not."""
+    from transformers import AutoTokenizer
+
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+    from test_proxy_injection import QWEN25_TEMPLATE
+
+    saved = servers["work"] / "qwen-template-tokenizer"
+    load_hf_tokenizer(servers["smol"]).save_pretrained(saved)
+    tok = AutoTokenizer.from_pretrained(saved)
+    tok.chat_template = QWEN25_TEMPLATE
+    proxy = build_proxy(servers["key_path"], servers["tap"], tokenizer=tok, backend="auto")
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    with ServerThread(proxy.app()) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        servers["recorder"].clear()
+        r = c.chat.completions.create(model="aloepri", messages=messages, tools=[tool], max_tokens=16,
+                                      temperature=0)
+        streamed = list(c.chat.completions.create(model="aloepri", messages=messages, tools=[tool], max_tokens=16,
+                                                  temperature=0, stream=True))
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    assert streamed[-1].choices[-1].finish_reason == choice.finish_reason
+    sent = [json.loads(e["request"])["prompt"] for e in _completions_seen(servers)]
+    assert len(sent) == 2 and sent[0] == sent[1]
+    plain = tok.decode(servers["core"].key.decode_ids(sent[0]))
+    assert '"name": "get_weather"' in plain and "What is the weather like in Paris?" in plain
+    raw = b"".join(e["request"] + e["response"] for e in _completions_seen(servers))
+    assert b"get_weather" not in raw and b"Paris" not in raw and b"weather" not in raw
 
 
 def test_completions_endpoint_with_text_and_ids(servers):

@@ -185,6 +185,8 @@ def cmd_proxy(a: argparse.Namespace) -> int:
     _check_common(a)
     _check_key_file(a)
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    if a.log_level != "debug":  # the HTTP client's line per upstream request: noise, and the proxy logs its own
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
     env_key = os.environ.get("ALOEPRI_PROXY_API_KEY")
     api_keys = a.api_key if a.api_key is not None else ([env_key] if env_key is not None else [])
     if any(not k.strip() for k in api_keys):

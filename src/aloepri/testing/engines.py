@@ -185,7 +185,8 @@ class LlamaServer(EngineServer):
     def command(self, port: int) -> list[str]:
         return [str(self.binary), "--model", str(self.gguf), "--alias", self.alias, "--threads", str(self.threads),
                 "--threads-batch", str(self.threads), "--ctx-size", str(self.n_ctx * self.slots),
-                "--parallel", str(self.slots), "--cache-type-k", "f32", "--cache-type-v", "f32", "--no-webui",
+                "--parallel", str(self.slots), "--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off",
+                "--no-webui",
                 "--host", "127.0.0.1", "--port", str(port), *self.extra]
 
 
