@@ -13,13 +13,8 @@ obfuscated end-of-text token), nothing of the user's, and ask for at most one to
 """
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any
-
-log = logging.getLogger("aloepri.serving.detect")
-
 
 class NoBackend(ValueError):
     """The upstream speaks none of the protocols the proxy knows."""
@@ -33,26 +28,20 @@ class Detected:
     tried: list[str] = field(default_factory=list)
 
 
-def _json(status: int, body: bytes) -> Any:
-    """The JSON of a 200 answer; None for any other status or a body that is not JSON."""
-    if status != 200:
-        return None
-    try:
-        return json.loads(body)
-    except ValueError:
-        return None
-
-
 def llamacpp_props(status: int, body: bytes) -> dict | None:
     """llama.cpp's ``/props`` answer as a dict, or None when the answer is not one."""
-    props = _json(status, body)
+    from .client.guard import listing_of  # the JSON of a 200 answer, else None
+
+    props = listing_of(status, body)
     if isinstance(props, dict) and ("default_generation_settings" in props or "build_info" in props):
         return props
     return None
 
 
 def _first_choice(status: int, body: bytes) -> dict | None:
-    data = _json(status, body)
+    from .client.guard import listing_of
+
+    data = listing_of(status, body)
     choices = data.get("choices") if isinstance(data, dict) else None
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0]
@@ -71,25 +60,21 @@ def detect_backend(http: Any, base: str, headers: dict, probe_id: int, model: st
         return Detected("llamacpp-native", "it answers /props as llama.cpp's llama-server does", props)
     tried.append(f"GET /props: {r.status_code} (not llama.cpp's)")
 
-    body: dict[str, Any] = {"prompt": [probe_id], "max_tokens": 1, "temperature": 0, "return_token_ids": True}
-    if model:
-        body["model"] = model
-    with upstream_errors("connect", base):
-        r = http.post(base + "/v1/completions", json=body, headers=headers)
-    choice = _first_choice(r.status_code, r.content)
+    def probe(prompt: Any, **extra: Any):
+        """One-token /v1/completions: (status, choices[0] or None)."""
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra, **({"model": model} if model else {})}
+        with upstream_errors("connect", base):
+            r = http.post(base + "/v1/completions", json=body, headers=headers)
+        return r.status_code, _first_choice(r.status_code, r.content)
+
+    status, choice = probe([probe_id], return_token_ids=True)
     ids = choice.get("token_ids") if choice else None
     if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         return Detected("openai-completions", "its /v1/completions takes token-id prompts and returns token_ids",
                         tried=tried)
-    tried.append(f"POST /v1/completions with token ids: {r.status_code}"
-                 + (", no token_ids in the answer" if choice else ""))
+    tried.append(f"POST /v1/completions with token ids: {status}" + (", no token_ids in the answer" if choice else ""))
 
-    body = {"prompt": codec.ids_to_text([probe_id]), "max_tokens": 1, "temperature": 0}
-    if model:
-        body["model"] = model
-    with upstream_errors("connect", base):
-        r = http.post(base + "/v1/completions", json=body, headers=headers)
-    choice = _first_choice(r.status_code, r.content)
+    status, choice = probe(codec.ids_to_text([probe_id]))
     text = choice.get("text") if choice else None
     if isinstance(text, str):
         try:
@@ -101,7 +86,7 @@ def detect_backend(http: Any, base: str, headers: dict, probe_id: int, model: st
             return Detected("openai-text", "its /v1/completions takes text only, and answers in the neutral "
                                            "tokenizer's text", tried=tried)
     else:
-        tried.append(f"POST /v1/completions with text: {r.status_code}")
+        tried.append(f"POST /v1/completions with text: {status}")
     raise NoBackend(f"the upstream {base} speaks none of the proxy's protocols ({'; '.join(tried)}): point "
                     "--upstream at vLLM, llama.cpp's llama-server, aloepri serve-local or an OpenAI-compatible server "
                     "holding the obfuscated model, or give --backend")
