@@ -251,20 +251,22 @@ PAPER = ObfuscationParams(alpha_e=1.0, alpha_h=0.2, lam=0.3, h=128, beta=8, gamm
 
 PRESETS: dict[str, ObfuscationParams] = {"default": DEFAULT, "exact": EXACT, "noisy": NOISY, "paper": PAPER}
 
-_NOT_PRIVATE = ("does NOT hide the prompt from a server that holds the public model (100% of prompt tokens "
-                "recovered by the behavioural, isa_anchor and weight-matching attacks on SmolLM2 and "
-                "Qwen2.5-Coder-0.5B, docs/security.md)")
+# What the CLI prints about each preset. No measured figure is typed here (figures go stale; the measured ones are
+# rendered into the README and docs from benchmarks/results): each note says what the preset does and where the
+# measurements are.
+_NOT_PRIVATE = ("does NOT hide the prompt from a server that holds the public model: on every model measured, "
+                "attacks that run or compare both models read the prompts (README, docs/security.md; `aloepri "
+                "audit` measures it for yours)")
 
 PRESET_NOTES = {
     "default": "reproduces plaintext logits (no noise, width unchanged); like every measured setting it "
     + _NOT_PRIVATE,
     "exact": "reproduces plaintext logits with the hidden width expanded from d to d+2h, h = 128 or the next "
     "value the heads divide (costs (d+2h)/d per token, protects nothing measurable); it " + _NOT_PRIVATE,
-    "noisy": "default plus embedding/head noise 10x below the paper's: changes answers (SmolLM2-135M, held-out "
-    "prompts: top-1 0.81, 2 of 24 greedy continuations unchanged) and still " + _NOT_PRIVATE,
-    "paper": "the AloePri paper's parameters, tuned for >= 8B models: destroys small models (top-1 0.06 on SmolLM2) "
-    "and still does NOT hide the prompt: weight matching, then running both models, then a ridge map recover 99.9% "
-    "of prompt tokens on SmolLM2",
+    "noisy": "default plus embedding/head noise 10x below the paper's: changes answers (docs/design.md, "
+    "\"Presets\") and still " + _NOT_PRIVATE,
+    "paper": "the AloePri paper's parameters, tuned for >= 8B models: breaks small models (docs/design.md, "
+    "\"Presets\") and still " + _NOT_PRIVATE,
 }
 
 
