@@ -55,14 +55,14 @@ def test_the_binary_version_is_the_one_the_llamacpp_extra_pins():
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2_exact, tmp_path_factory):
+def servers(request, tmp_path_factory):
     """Two llama-servers (one thread, two slots of 512 tokens, f32 KV cache): the obfuscated SmolLM2 (exact
     preset) exported to f32 GGUF behind a recording forwarder, and the plaintext SmolLM2 exported the same way;
     `aloepri proxy` in front of the first with no backend given."""
-    binary = _binary_or_skip()
+    binary = _binary_or_skip()  # before the session's SmolLM2 obfuscation, which a skip does not need
     from aloepri.export.gguf import export_gguf, plaintext_reference_dir
 
-    smol, server_dir, key_path = smollm2_exact
+    smol, server_dir, key_path = request.getfixturevalue("smollm2_exact")
     work = tmp_path_factory.mktemp("llama-server")
     export_gguf(server_dir, work / "obf.gguf", "f32")
     export_gguf(plaintext_reference_dir(smol, work / "plain"), work / "plain.gguf", "f32")
