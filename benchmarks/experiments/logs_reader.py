@@ -10,12 +10,13 @@ References (the observer's text):
   python-docs and PII prompts from the same ten templates with its own Faker seed, wrapped in the public chat
   template (``logs_only.prior_ids('same-distribution')``). It shares no document or PII value with the client.
 
-Methods: ``log-reader-lm`` (the same observer holding the public model: its next-token distribution after each
-candidate token joins the reference's bigram model, ``lm_successors``); ``log-reader`` (the new decipherer; volumes run in increasing order, each warm-started from the map this
+Methods: ``log-reader`` (the new decipherer; volumes run in increasing order, each warm-started from the map this
 store holds for the previous volume, the likelier of the warm and the fresh map kept: an observer who reads the
-logs as they grow; from 10^6 tokens on only the warm start is refined, with a shorter search, for time); ``stream-decipher`` (the earlier ``decipher_stream``, measured in the same run where it fits);
-controls at one volume: ``control/victim-text`` (positive: the traffic's own plaintext as reference) and
-``control/random-mapping`` (negative: a random 1:1 guess).
+logs as they grow; from 10^6 tokens on only the warm start is refined, with a shorter search, for time);
+``log-reader-lm`` (the same observer holding the public model: its next-token distribution after each candidate
+token joins the reference's bigram model, ``lm_successors``); ``stream-decipher`` (the earlier ``decipher_stream``,
+measured in the same run where it fits); controls at one volume: ``control/victim-text`` (positive: the traffic's
+own plaintext as reference) and ``control/random-mapping`` (negative: a random 1:1 guess).
 
 Resumable: keyed ``<method>/<reference>/<volume>``; entries present are skipped.
 """

@@ -235,8 +235,9 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
 
     ``init``: cipher id -> plaintext guess from earlier (a warm start; refined alongside the fresh run, the likelier
-    kept; ``fresh=False``: the warm start alone, half the time). ``max_candidates`` / ``candidates_per_id``: plaintext types considered (the reference's most frequent,
-    at most ``max_candidates``, at least ``candidates_per_id`` per observed id where the reference has them).
+    kept; ``fresh=False``: the warm start alone, half the time). ``max_candidates`` / ``candidates_per_id``:
+    plaintext types considered (the reference's most frequent, at most ``max_candidates``, at least
+    ``candidates_per_id`` per observed id where the reference has them).
     Memory: O(nnz of the bigram model + ids x top_k + anneal_candidates^2), never ids x candidates."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
@@ -472,8 +473,9 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     lm_reads = int(12_000 * min(1.0, 4 * budget.scale))
     ends = np.cumsum([len(r) for r in observed])
     curve, init, res = [], None, None
-    for vol in curve_volumes(int(ends[-1])):
-        k = int(min(len(observed), np.searchsorted(ends, vol) + 1))
+    # whole requests up to each volume; a volume that adds no request is not measured twice
+    sizes = {int(min(len(observed), np.searchsorted(ends, vol) + 1)) for vol in curve_volumes(int(ends[-1]))}
+    for k in sorted(sizes):
         res = decipher_logs(observed[:k], vocab, reference, pre, post, init=init, anneal_steps=steps, seed=seed,
                             lm=lm, lm_candidates=lm_reads)
         flat = np.concatenate(observed[:k])
