@@ -46,6 +46,9 @@ class Settings:
     reference_tokens: int = 1_000_000
     old_max_candidates: int = 20_000
     lm_at: tuple[int, ...] = ()  # volumes of the observer with the public model (log-reader-lm)
+    # a memory check: one mean-field step, one round of block moves, 10 annealing proposals per id (its recovery
+    # is that of a short search, a lower bound; its peak memory is the decipherer's at that volume)
+    short_search: bool = False
     seed: int = 0
     threads: int = 1
 
@@ -121,9 +124,10 @@ def run(s: Settings, store: ResultStore) -> None:
             # from 10^6 tokens on, the warm start alone is refined, with 8 rounds of block moves and 100 annealing
             # proposals per id (the 10^5 map it starts from had the full search): a 2-core machine's hour
             big = volume >= 1_000_000
+            search = {"temperatures": (1.0,), "block_rounds": 1, "anneal_steps": 10} if s.short_search else \
+                ({"block_rounds": 8, "anneal_steps": 100} if big else {})
             res = decipher_logs(observed, len(perm), ref, pre, post, init=init, seed=s.seed, progress=score,
-                                lm=lm if method == "log-reader-lm" else None, fresh=not big,
-                                **({"block_rounds": 8, "anneal_steps": 100} if big else {}))
+                                lm=lm if method == "log-reader-lm" else None, fresh=not big, **search)
             guess = res.obf_to_plain[flat]
             seen = np.unique(flat)
             extra = {"trace": res.trace, "anchors": res.anchors, "warm_started_from": max(prev) if init else None,
@@ -167,6 +171,9 @@ CONFIGS = {
     "smollm2": Settings(),
     **{f"smollm2-seed{k}": Settings(volumes=(1_000, 10_000, 100_000), old_at=(), controls_at=(), seed=k)
        for k in (1, 2)},
+    # 10^6 tokens with a short search, one reference per config (run side by side): the memory check
+    **{f"smollm2-1e6-short-{r.replace('+', '-')}": Settings(volumes=(1_000_000,), references=(r,), old_at=(),
+                                                           controls_at=(), short_search=True) for r in REFERENCES},
     # the observer with the public model (a config of its own: it loads the model)
     "smollm2-lm": Settings(volumes=(), lm_at=(1_000, 10_000, 100_000), old_at=(), controls_at=()),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
