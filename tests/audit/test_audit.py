@@ -96,8 +96,13 @@ def test_html_is_self_contained_and_says_what_did_not_run(lossless, ci_report):
     assert set(re.findall(r"https?://[^\s\"'<>]+", page)) <= {"http://www.w3.org/2000/svg"}
     assert page.index("Who can read your prompts") < page.index("<svg") < page.index("<table")
     assert "not run" in page
-    # a figure below 100% with attacks not run is "a lower bound"; at 100% they "could not raise" it
-    assert ("lower bound" in page) == (ci_report.worst_prompt_token_recovery < 0.9995)
+    # a figure below 100% with attacks not run is "a lower bound"; at 100% they "could not raise" it (per observer)
+    for o in (ci_report.verdict[PROVIDER], ci_report.verdict[ID_STREAM]):
+        if o["recovery"] is not None and o["not_run"]:
+            assert ("lower bound" in o["text"]) == (o["recovery"] < 0.9995), o["text"]
+    verdict_part = page[:page.index("<h2>Recovery against accuracy")]  # the measured context may say it too
+    assert ("lower bound" in verdict_part) == any(o["recovery"] is not None and o["not_run"] and o["recovery"] < 0.9995
+                                          for o in (ci_report.verdict[PROVIDER], ci_report.verdict[ID_STREAM]))
     assert not SAFE.search(re.sub(r"<[^>]+>", " ", page))
 
 

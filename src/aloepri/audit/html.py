@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Any, Sequence
 
 from . import frontier as frontier_mod
-from .plan import ID_STREAM, PROVIDER
+from .plan import BUDGETS, ID_STREAM, PROVIDER
 from .verdict import below_maximum
 
 CONTEXT_FILE = "measured_context.json"
@@ -101,7 +101,7 @@ def plot_svg(report: dict[str, Any], measured: dict[str, Any] | None = None) -> 
     """Each attack's recovery (y) at this setting's accuracy (x), on the project's measured frontier for the same
     model when there is one. Hand-written SVG: no plotting library, no script, no fonts fetched."""
     measured = measured if measured is not None else frontier_mod.load_measured()
-    w, h, left, right, top, bottom = 720, 440, 64, 210, 20, 56
+    w, h, left, right, top, bottom = 860, 440, 64, 330, 20, 56  # the legend's labels name observer and attack
     pw, ph = w - left - right, h - top - bottom
 
     def x(v: float) -> float:
@@ -223,7 +223,9 @@ def advice_for(o: dict[str, Any], attacks: Sequence[dict[str, Any]]) -> str:
             larger.setdefault(a["reason"].split("runs with ")[-1].rstrip(")"), []).append(a["name"])
         elif REMEDIES.get(why) and REMEDIES[why] not in steps:
             steps.append(REMEDIES[why])
-    steps = [f"rerun with {flag} (adds {', '.join(names)})" for flag, names in sorted(larger.items())] + steps
+    order = {f"--budget {b}": i for i, b in enumerate(BUDGETS)}
+    steps = [f"rerun with {flag} (adds {', '.join(names)})"
+             for flag, names in sorted(larger.items(), key=lambda kv: order.get(kv[0], len(order)))] + steps
     who = OBSERVER_SHORT[o["observer"]]
     text = (f"The {who}'s {_pct(o['recovery'])} is a lower bound: {len(mine)} attack(s) counted against the {who} did "
             "not run (see the table).")
@@ -260,7 +262,7 @@ def _attack_rows(attacks: Sequence[dict[str, Any]]) -> str:
     rows = ["<tr><th>Attack</th><th>Observer</th><th>Prompt tokens recovered</th><th>PII tokens recovered</th>"
             "<th>Tokens scored</th><th>Time (s)</th><th>What it used, or why it did not run</th></tr>"]
     for a in sorted(attacks, key=lambda a: (a["status"] != "ran", -(a.get("ttrsr") or 0))):
-        who = "id stream" if a["observer"] == ID_STREAM else "provider"
+        who = OBSERVER_SHORT[a["observer"]]
         if a["status"] == "ran":
             rows.append(f'<tr><td>{escape(a["name"])}</td><td>{who}</td><td class="num">{_pct(a["ttrsr"])}</td>'
                         f'<td class="num">{_pct(a.get("piirsr"))}</td><td class="num">{a.get("tokens_scored") or "–"}'
@@ -286,6 +288,13 @@ def _fidelity_html(fid: dict[str, Any]) -> str:
             ("Largest logit difference", _num(fid.get("max_logit_error"), "{:.3g}")),
             ("Prompts / positions / greedy tokens",
              f'{fid.get("prompts")} / {fid.get("positions")} / {fid.get("greedy_tokens")} ({escape(fid.get("prompt_kind", ""))})')]
+    ref = fid.get("reference")
+    if fid.get("verdict") and isinstance(ref, dict):
+        rows.insert(0, ("Verdict", f'<b>{escape(fid["verdict"])}</b> <span class="small">({escape(fid.get("why", ""))})'
+                                   "</span>"))
+        rows.insert(4, ("Reference: " + escape(ref.get("what", "")),
+                        f'top-1 {_num(ref.get("top1_agreement"))}, KL {_num(ref.get("mean_kl"), "{:.4f}")}, greedy '
+                        f'{_pct(ref.get("greedy_match_rate"), 0)}'))
     corpus = fid.get("corpus")
     if corpus:
         ppl = corpus.get("perplexity", {})

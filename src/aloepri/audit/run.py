@@ -223,7 +223,9 @@ def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[s
     import tempfile
 
     from ..attacks.engines import TORCH, EngineAsModel, LlamaCppEngine, engine_files
-    from ..eval.fidelity import ReportReferences, release_memory, report_texts, report_with_references
+    from ..eval.fidelity import ReportReferences, compare_with_reference, fidelity_verdict, \
+        needs_precision_reference, release_memory, report_texts, report_with_references, round_weights_, \
+        stored_precision
 
     n_prompts, greedy, corpus_n = FIDELITY_BUDGETS[budget]
     tok = target.tokenizer if has_tok else None
@@ -243,6 +245,13 @@ def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[s
         plain = load_plain()
         references = ReportReferences(plain, key, tok, greedy_tokens=greedy, device=dev, spill_dir=spill,
                                       texts=texts)
+        # a narrower output (bfloat16) is read against plaintext rounded to its precision, as `verify` does (the
+        # model is rounded in place: it is released below, the next step loads it again)
+        dtype = stored_precision(target.obfuscated_dir)
+        at_precision = None
+        if target.engine == TORCH and needs_precision_reference(dtype):
+            at_precision = compare_with_reference(references.prompts, round_weights_(plain, dtype), None,
+                                                  dev).to_dict()
         if isinstance(plain, EngineAsModel):
             plain.engine.close()
         del plain
@@ -254,6 +263,8 @@ def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[s
             obf.engine.close()
         del obf
         target.release()
+    if target.engine == TORCH:
+        rep["prompts"].update(fidelity_verdict(rep["prompts"], at_precision, dtype))
     return {"status": RAN, **rep["prompts"], **({"corpus": rep["corpus"]} if "corpus" in rep else {}),
             "prompt_kind": "built-in chat prompts" if tok is not None else "random ids",
             "engine": where, "models_held": "one at a time",
