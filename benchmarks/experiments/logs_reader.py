@@ -174,6 +174,9 @@ CONFIGS = {
     # 10^6 tokens with a short search, one reference per config (run side by side): the memory check
     **{f"smollm2-1e6-short-{r.replace('+', '-')}": Settings(volumes=(1_000_000,), references=(r,), old_at=(),
                                                            controls_at=(), short_search=True) for r in REFERENCES},
+    # 10^6 tokens from scratch (no warm start in these stores), one reference per config (run side by side)
+    **{f"smollm2-1e6-{r.replace('+', '-')}": Settings(volumes=(1_000_000,), references=(r,), old_at=(), controls_at=())
+       for r in REFERENCES},
     # the observer with the public model (a config of its own: it loads the model)
     "smollm2-lm": Settings(volumes=(), lm_at=(1_000, 10_000, 100_000), old_at=(), controls_at=()),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
