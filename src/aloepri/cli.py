@@ -82,9 +82,9 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
     if fp8:
         print(FP8_OUTPUT_NOTE, file=sys.stderr)
     if a.dtype is None and src.is_file() and serving_dtype(src) == "bfloat16":
-        print("output bfloat16: the default for a quantized or half-precision GGUF source (KL against plaintext "
-              "float32 as the plaintext model's in bfloat16, docs/accuracy.md; --dtype float32 for logits equal "
-              "to plaintext's)", file=sys.stderr)
+        print("output bfloat16: the default for a quantized or half-precision GGUF source (about the plaintext "
+              "model's own bfloat16 loss, docs/accuracy.md; --dtype float32 for logits equal to plaintext's)",
+              file=sys.stderr)
     factors = None
     if params.needs_noise_factors:
         from .runtime.sensitivity import fisher_noise_factors  # the public model on a public corpus

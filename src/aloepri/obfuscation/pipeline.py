@@ -194,9 +194,9 @@ def default_output_dtype(source: SourceCheckpoint) -> str:
 
     - an FP8 source: fp8, its own format;
     - a GGUF source stored in less than float32 (quantized, or F16/BF16): bfloat16. Its float32 output would be
-      2-7x the file (7 GB from Qwen2.5-Coder-1.5B's 1.1 GB Q4_K_M); computed in bfloat16 the bfloat16 output
-      matches plaintext bfloat16's KL against plaintext float32 on SmolLM2, Qwen2.5-Coder-0.5B and -1.5B
-      (experiment output_precision), and computed in float32 it is within 1e-4 nats of the plaintext model;
+      2-7x the file (7 GB from Qwen2.5-Coder-1.5B's 1.1 GB Q4_K_M); computed in float32 the bfloat16 output is
+      within 1e-4 nats of the plaintext model, computed in bfloat16 it costs about what the plaintext model costs
+      in bfloat16 (experiment output_precision, per model: docs/accuracy.md);
     - otherwise the source's own precision (float32 when its config names none, as for an F32 GGUF)."""
     if source.fp8 is not None:
         return FP8
