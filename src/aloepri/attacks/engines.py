@@ -438,14 +438,20 @@ def choose_engine(requested: str, obfuscated_dir: str | Path, device: torch.devi
                                          f"{2 * 4 * n / 2**30:.1f} GiB)")
 
 
-def engine_files(choice: str, plain_src: str | Path, obfuscated_dir: str | Path) -> tuple[Path, Path, str]:
-    """(plaintext GGUF, obfuscated GGUF, precision in words) of a llama.cpp engine, made once and cached."""
+def _llamacpp_type(choice: str, obfuscated_dir: str | Path) -> tuple[str, str]:
+    """(GGUF type both models are served at, that precision in words) of a llama.cpp engine choice."""
     if not choice.startswith("llamacpp-") or choice.split("-", 1)[1] not in LLAMACPP_TYPES:
         raise EngineError(f"unknown engine {choice!r}; choose one of {', '.join(CHOICES)}")
     _llama_cpp()
     qtype = served_type(Path(obfuscated_dir), choice.split("-", 1)[1])
     precision = qtype if qtype == choice.split("-", 1)[1] else \
         f"{qtype} (the obfuscated rows are not multiples of 32: both models at {qtype})"
+    return qtype, precision
+
+
+def engine_files(choice: str, plain_src: str | Path, obfuscated_dir: str | Path) -> tuple[Path, Path, str]:
+    """(plaintext GGUF, obfuscated GGUF, precision in words) of a llama.cpp engine, made once and cached."""
+    qtype, precision = _llamacpp_type(choice, obfuscated_dir)
     return plaintext_gguf(plain_src, qtype), obfuscated_gguf(obfuscated_dir, qtype), precision
 
 
@@ -458,12 +464,7 @@ def open_engine(choice: str, side: str, plain_src: str | Path, obfuscated_dir: s
     if choice == VLLM:
         return VllmEngine(plaintext_hf_dir(plain_src) if side == "plain" else obfuscated_dir, threads=threads,
                           max_len=n_ctx)
-    if not choice.startswith("llamacpp-") or choice.split("-", 1)[1] not in LLAMACPP_TYPES:
-        raise EngineError(f"unknown engine {choice!r}; choose one of {', '.join(CHOICES)}")
-    _llama_cpp()
-    qtype = served_type(Path(obfuscated_dir), choice.split("-", 1)[1])
-    precision = qtype if qtype == choice.split("-", 1)[1] else \
-        f"{qtype} (the obfuscated rows are not multiples of 32: both models at {qtype})"
+    qtype, precision = _llamacpp_type(choice, obfuscated_dir)
     path = plaintext_gguf(plain_src, qtype) if side == "plain" else obfuscated_gguf(obfuscated_dir, qtype)
     return LlamaCppEngine(path, precision, threads, n_ctx)
 
