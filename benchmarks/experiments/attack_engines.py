@@ -142,6 +142,8 @@ CONFIGS = {
     # the composed attack alone (the one that reads every preset at float32, `paper` included): on a shared 2-core
     # machine the two attacks on 4 presets x 3 engines would take hours
     "smollm2": Settings(attacks="behavioural-composed"),
+    # `paper` alone (where only the composed attack reads the prompts in float32), q8_0 against float32
+    "smollm2-paper": Settings(presets=("paper",), engines=("torch", "llamacpp-q8_0"), attacks="behavioural-composed"),
     "qwen-coder": Settings(model="qwen-coder"),
     "qwen-coder-1.5b": Settings(model="qwen-coder-1.5b"),
     # a check that the path runs: one preset, the behavioural attack alone, two prompts
