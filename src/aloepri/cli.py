@@ -210,7 +210,9 @@ def _demo(a: argparse.Namespace, src: Path, about: str, work: Path) -> int:
     print(f"model: {about}")
     print(f"[1/3] obfuscating {src.name} with preset '{a.preset}' ({PRESET_NOTES[a.preset]})")
     t = time.perf_counter()
-    res = obfuscate(src, out, key_path, params, seed=a.seed, overwrite=True, progress=True,
+    # float32: the demo shows that the obfuscated model answers exactly as plaintext does (a bfloat16 output, the
+    # default from a quantized GGUF, answers as plaintext rounded to bfloat16 would: `aloepri verify` shows both)
+    res = obfuscate(src, out, key_path, params, seed=a.seed, dtype="float32", overwrite=True, progress=True,
                     allow_weak_seed=a.allow_weak_seed)
     print(f"      done in {time.perf_counter() - t:.1f}s: server artifact {out} (hidden {res.hidden_size}, "
           f"{_size_text(out)}), client key {key_path} (mode 0600)")
