@@ -173,7 +173,8 @@ def test_editing_one_rendered_figure_in_the_readme_by_hand_fails_the_check(tmp_p
     assert m is not None, "the README renders its figures from the store: it has inline figures"
     assert render_docs([REPO / "README.md"], check=True) == []
     edited = tmp_path / "README.md"
-    edited.write_text(readme[:m.start("body")] + "99.9%" + readme[m.end("body"):])
+    typed = "12.3%" if m["body"] != "12.3%" else "45.6%"  # a figure other than the stored one
+    edited.write_text(readme[:m.start("body")] + typed + readme[m.end("body"):])
     stale = render_docs([edited], check=True)
     assert len(stale) == 1 and "fig " + m["spec"].split(" --fmt")[0].split(" --agg")[0] in stale[0]
 

@@ -361,5 +361,7 @@ def test_fidelity_report_holds_one_model_at_a_time_with_the_same_numbers(tok_mod
     both = fidelity_report(load_plain_model(src), load_obfuscated_model(server), key, load_tokenizer(key, src),
                            **options)
     one_model_at_a_time(monkeypatch)
-    assert load_and_report(src, server, key_path, **options) == both
+    one = load_and_report(src, server, key_path, **options)
+    verdict = {k: one["prompts"].pop(k) for k in ("verdict", "reference", "why")}  # beside the same numbers
+    assert one == both and verdict["verdict"] in ("lossless", "lossy")
     assert both["corpus"]["max_logit_error"] > 0  # float rounding: the numbers compared are not all trivial

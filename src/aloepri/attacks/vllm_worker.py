@@ -27,6 +27,13 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    import json
+
+    try:  # never past the model's own context (vLLM refuses a longer max_model_len)
+        config = json.loads(open(os.path.join(model, "config.json")).read())
+        max_len = min(max_len, int(config.get("max_position_embeddings") or max_len))
+    except (OSError, ValueError, TypeError):
+        pass
     llm = LLM(model=model, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, max_model_len=max_len,
               max_num_seqs=1, seed=0, max_logprobs=1)
     captured: list = []
