@@ -106,8 +106,8 @@ def cmd_obfuscate(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     import torch
 
-    from .eval.fidelity import PlainReference, builtin_prompt_ids, compare_with_reference, fidelity_verdict, \
-        kept_records, needs_precision_reference, precision_scope, record_scope, release_memory, round_weights_, \
+    from .eval.fidelity import PlainReference, builtin_prompt_ids, compare_at_precision, compare_with_reference, \
+        fidelity_verdict, kept_records, needs_precision_reference, precision_scope, record_scope, release_memory, \
         stored_precision, verdict_line
     from .runtime.inference import load_obfuscated_model, load_plain_model, load_tokenizer
     from .keyfile import check_key_matches, load_key
@@ -142,11 +142,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         bar.start("plaintext model")
         reference = PlainReference(plain, prompts, a.greedy_tokens, key.special_tokens.get("eos_token_id"), device,
                                    skip=done, progress=bar)
-        at_precision = None
-        if narrow:
-            bar.start(f"plaintext at {str(dtype).replace('torch.', '')}")
-            at_precision = compare_with_reference(reference, round_weights_(plain, dtype), None, device,
-                                                  progress=bar, store=store, scope=ref_scope).to_dict()
+        at_precision = compare_at_precision(reference, plain, dtype, device, bar, store, scope)
         del plain
         release_memory()
         bar.start("obfuscated model")

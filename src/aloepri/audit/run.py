@@ -223,9 +223,8 @@ def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[s
     import tempfile
 
     from ..attacks.engines import TORCH, EngineAsModel, LlamaCppEngine, engine_files
-    from ..eval.fidelity import ReportReferences, compare_with_reference, fidelity_verdict, \
-        needs_precision_reference, release_memory, report_texts, report_with_references, round_weights_, \
-        stored_precision
+    from ..eval.fidelity import ReportReferences, compare_at_precision, fidelity_verdict, release_memory, \
+        report_texts, report_with_references, stored_precision
 
     n_prompts, greedy, corpus_n = FIDELITY_BUDGETS[budget]
     tok = target.tokenizer if has_tok else None
@@ -248,10 +247,7 @@ def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[s
         # a narrower output (bfloat16) is read against plaintext rounded to its precision, as `verify` does (the
         # model is rounded in place: it is released below, the next step loads it again)
         dtype = stored_precision(target.obfuscated_dir)
-        at_precision = None
-        if target.engine == TORCH and needs_precision_reference(dtype):
-            at_precision = compare_with_reference(references.prompts, round_weights_(plain, dtype), None,
-                                                  dev).to_dict()
+        at_precision = compare_at_precision(references.prompts, plain, dtype, dev) if target.engine == TORCH else None
         if isinstance(plain, EngineAsModel):
             plain.engine.close()
         del plain

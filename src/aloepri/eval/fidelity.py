@@ -511,11 +511,7 @@ def load_and_report(src: str | Path, server_dir: str | Path, key_path: str | Pat
             references = ReportReferences(plain, key, tok, greedy_tokens=greedy_tokens, device=dev,
                                           spill_dir=spill, texts=texts, progress=bar, store=store, scope=scope,
                                           also_scope=ref_scope)
-            at_precision = None
-            if narrow:
-                bar.start(f"plaintext at {_dtype_name(dtype)}")
-                at_precision = compare_with_reference(references.prompts, round_weights_(plain, dtype), None, dev,
-                                                      progress=bar, store=store, scope=ref_scope).to_dict()
+            at_precision = compare_at_precision(references.prompts, plain, dtype, dev, bar, store, scope)
             del plain
             release_memory()
             bar.start("obfuscated model")
@@ -563,6 +559,21 @@ def round_weights_(model, dtype: torch.dtype):
 def precision_scope(scope: str, dtype: torch.dtype) -> str:
     """The record scope of the plaintext-rounded-to-``dtype`` reference beside a fidelity run's ``scope``."""
     return json.dumps([scope, "plaintext rounded to", str(dtype)])
+
+
+def compare_at_precision(reference: "PlainReference", plain_model, dtype: torch.dtype | None, device=None,
+                         progress: Progress | None = None, store: ResultStore | None = None,
+                         scope: str = "") -> dict | None:
+    """The reference a fidelity figure of an output stored in ``dtype`` is read against: ``plain_model`` rounded to
+    ``dtype`` (in place: the caller frees it next) compared with its own float outputs on ``reference``'s texts;
+    None when ``dtype`` needs no such reference (float32 or wider: plaintext itself is the reference). ``scope``:
+    that of the main comparison (``precision_scope`` derives this one's)."""
+    if not needs_precision_reference(dtype):
+        return None
+    if progress is not None:
+        progress.start(f"plaintext at {_dtype_name(dtype)}")
+    return compare_with_reference(reference, round_weights_(plain_model, dtype), None, device, progress=progress,
+                                  store=store, scope=precision_scope(scope, dtype)).to_dict()
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
