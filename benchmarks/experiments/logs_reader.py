@@ -51,6 +51,16 @@ class Settings:
     short_search: bool = False
     seed: int = 0
     threads: int = 1
+    # the observer with the public model reading whole requests (``log-reader-em``: decipher_logs' ``lm_rounds``):
+    # the maps of the bigram search (this store's ``log-reader`` entry, else the ``em_from`` config's, else a
+    # search run here) and of ``decipher_stream`` (at volumes up to ``old_start_at``) are read by the model, the
+    # likeliest kept, then refined (EM with the model's predictions, then the digits as a unit)
+    em_at: tuple[int, ...] = ()
+    em_from: str | None = None
+    em_rounds: int = 6
+    em_options: tuple[tuple[str, object], ...] = ()
+    old_start_at: int = 10_000
+    stream_tokens: int | None = None  # the stream built (its order depends on it): default the largest volume
 
 
 def peak_rss_gib() -> float:
@@ -68,13 +78,14 @@ def run(s: Settings, store: ResultStore) -> None:
     keys = [f"log-reader/{r}/{v}" for r in s.references for v in s.volumes]
     keys += [f"log-reader-lm/{r}/{v}" for r in s.references for v in s.lm_at]
     keys += [f"stream-decipher/{r}/{v}" for r in s.references for v in s.old_at]
+    keys += [f"log-reader-em/{r}/{v}" for r in s.references for v in s.em_at]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
     todo = sorted((k for k in keys if not store.has(k)), key=lambda k: (int(k.rsplit("/", 1)[1]), k))
     if not todo:
         return
     torch.set_num_threads(s.threads)
     tok = load_hf_tokenizer(model_path(s.model))
-    stream = build_stream(tok, max(s.volumes + s.lm_at), s.seed)
+    stream = build_stream(tok, s.stream_tokens or max(s.volumes + s.lm_at + s.em_at), s.seed)
     perm = np.random.default_rng(s.seed + 99).permutation(len(tok))  # the client's key (seeded: reproducible)
     pre, post = chat_wrapper(tok)
     refs: dict[str, list[np.ndarray]] = {}
@@ -100,9 +111,13 @@ def run(s: Settings, store: ResultStore) -> None:
         def score(entry: dict, mapping: np.ndarray) -> dict:
             ok = mapping[flat] == truth
             return {"token_recovery": round(float(ok.mean()), 4),
+                    "user_text_recovery": round(float(ok[~stream.template[sl]].mean()), 4),
                     "pii_recovery": round(float(ok[stream.pii[sl]].mean()), 4)}
 
-        if key.startswith("control/random-mapping"):
+        if method == "log-reader-em":
+            guess, extra = _em_entry(s, store, ref_name, volume, observed, flat, tok, len(perm), reference(ref_name),
+                                     pre, post, score, lambda: _load_lm(s))
+        elif key.startswith("control/random-mapping"):
             guess = np.random.default_rng(s.seed + 7).permutation(len(perm))[flat]
         elif method == "stream-decipher":
             res = decipher_stream(observed, len(perm), reference(ref_name), pre, post,
@@ -141,6 +156,88 @@ def run(s: Settings, store: ResultStore) -> None:
         store.put(key, out)
         print(f"{key}: all {out['token_recovery']:.3f} user {out['user_text_recovery']:.3f} "
               f"pii {out['pii_recovery']} ({out['seconds']} s, peak {out['peak_rss_gib']} GiB)", flush=True)
+
+
+_LM: dict = {}
+
+
+def _load_lm(s: Settings):
+    if s.model not in _LM:
+        from aloepri.runtime.inference import load_plain_model
+
+        _LM[s.model] = load_plain_model(model_path(s.model))
+    return _LM[s.model]
+
+
+def _stored_map(s: Settings, store: ResultStore, ref_name: str, volume: int) -> tuple[dict | None, str | None]:
+    """The bigram search's map for this volume: this store's ``log-reader`` entry, else the ``em_from`` config's
+    (the same stream and key: its settings must match)."""
+    key = f"log-reader/{ref_name}/{volume}"
+    if store.has(key):
+        held = store.entries()[key]["map"]
+        return dict(zip(held["cipher"], held["plain"])), store.config
+    if s.em_from:
+        other = ResultStore(store.experiment, s.em_from)
+        theirs = other.load().get("settings") or {}
+        same = theirs.get("model") == s.model and theirs.get("seed") == s.seed and \
+            (theirs.get("stream_tokens") or max(theirs.get("volumes", []) + theirs.get("lm_at", []) +
+                                                theirs.get("em_at", []))) == \
+            (s.stream_tokens or max(s.volumes + s.lm_at + s.em_at)) and \
+            theirs.get("reference_tokens") == s.reference_tokens
+        if same and other.has(key):
+            held = other.entries()[key]["map"]
+            return dict(zip(held["cipher"], held["plain"])), s.em_from
+    return None, None
+
+
+def _em_entry(s: Settings, store: ResultStore, ref_name: str, volume: int, observed, flat, tok, vocab: int,
+              ref, pre, post, score, lm_of) -> tuple[np.ndarray, dict]:
+    """One ``log-reader-em`` entry: the figures after each part (the bigram search's map alone; the map the model
+    chose among the starts; after the EM rounds; after the digits) from the trace, scored with the key."""
+    from aloepri.attacks.log_reader import decipher_logs
+    from aloepri.attacks.stream_decipher import decipher_stream
+
+    init, source = _stored_map(s, store, ref_name, volume)
+    t0 = time.perf_counter()
+    searched = None
+    if init is None:  # the bigram search here, the same as ``log-reader``
+        res = decipher_logs(observed, vocab, ref, pre, post, seed=s.seed)
+        seen = np.unique(flat)
+        init = {int(c): int(res.obf_to_plain[c]) for c in seen}
+        source, searched = "searched here", round(time.perf_counter() - t0, 1)
+    extra_starts, old_figures = [], None
+    if volume <= s.old_start_at:
+        t1 = time.perf_counter()
+        old = decipher_stream(observed, vocab, ref, pre, post, seed=s.seed)
+        seen = np.unique(flat)
+        extra_starts = [("decipher_stream", {int(c): int(old.obf_to_plain[c]) for c in seen})]
+        old_figures = {**score({}, old.obf_to_plain), "seconds": round(time.perf_counter() - t1, 1)}
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    options = {"digits": digits, **dict(s.em_options)}
+    t2 = time.perf_counter()
+    res = decipher_logs(observed, vocab, ref, pre, post, init=init, fresh=False, block_rounds=0, anneal_steps=0,
+                        seed=s.seed, lm=lm_of(), lm_bigram=False, lm_rounds=s.em_rounds, lm_options=options,
+                        extra_starts=extra_starts, progress=score)
+    model_seconds = round(time.perf_counter() - t2, 1)
+    figures = ("token_recovery", "user_text_recovery", "pii_recovery")
+    reads = [e for e in res.trace if e["stage"].startswith("model reads")]
+    chosen = max(reads, key=lambda e: e["model_ll"])
+    em = [e for e in res.trace if e["stage"].startswith("model EM") and e.get("kept")]
+    dg = [e for e in res.trace if e["stage"].startswith("digits") and e.get("kept")]
+    part = lambda e: {k: e[k] for k in figures + ("model_ll",)}  # noqa: E731
+    parts = {"bigram search (" + source + ")": part(next(e for e in reads if "warm start" in e["stage"]))}
+    if old_figures:
+        parts["decipher_stream"] = {**old_figures,
+                                    "model_ll": next(e["model_ll"] for e in reads if "decipher_stream" in e["stage"])}
+    parts["the model chooses the start"] = part(chosen)
+    parts["+ EM with the model"] = part(em[-1] if em else chosen)
+    parts["+ digits as a unit"] = part(dg[-1] if dg else (em[-1] if em else chosen))
+    seen = np.unique(flat)
+    return res.obf_to_plain[flat], {
+        "trace": res.trace, "anchors": res.anchors, "parts": parts, "start_from": source,
+        "search_seconds": searched, "model_seconds": model_seconds, "em_rounds": s.em_rounds,
+        "em_options": {k: v for k, v in options.items() if k != "digits"},
+        "map": {"cipher": seen.tolist(), "plain": res.obf_to_plain[seen].tolist()}}
 
 
 def render(entries: dict) -> str:

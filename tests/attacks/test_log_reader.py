@@ -160,3 +160,118 @@ def test_audit_traffic_holds_the_clients_prompts_and_the_curve_grows_to_the_volu
     for p in curve:
         assert 0.0 <= p["prompt_token_recovery"] <= 1.0 and 0.0 <= p["pii_token_recovery"] <= 1.0
     assert 0.0 <= res.ttrsr <= 1.0
+
+
+# --- the observer with the public model reading whole requests (lm_refine: the model chooses, EM, digits) --------
+
+class ChainLM:
+    """A language model that knows the traffic's language exactly (its Markov chain): logits = log transitions."""
+
+    def __init__(self, transitions):
+        import torch
+
+        self.logp = torch.log(torch.as_tensor(transitions, dtype=torch.float32))
+
+    def __call__(self, input_ids, attention_mask=None, **_):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.logp[input_ids])
+
+
+def test_lm_read_equals_direct_scoring_padded_and_windowed(tmp_path):
+    """Batched, right-padded and cut into windows, the model's reading is the same as each sequence run alone."""
+    import torch
+
+    from aloepri.attacks.log_reader import lm_read
+    from aloepri.runtime.inference import load_plain_model
+    from aloepri.testing.tiny import build_tiny
+
+    model = load_plain_model(build_tiny("llama", tmp_path / "tiny", vocab_size=VOCAB))
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, VOCAB, n) for n in (7, 30, 2, 19)]
+    out = lm_read(model, seqs, top=5, batch_tokens=40)
+    windowed = lm_read(model, seqs, top=5, max_len=10)
+    for s, (actual, tops, vals), (w_actual, _, _) in zip(seqs, out, windowed):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.as_tensor(s)[None]).logits[0, :-1].float(), -1)
+        np.testing.assert_allclose(actual, logp[torch.arange(len(s) - 1), torch.as_tensor(s[1:])].numpy(),
+                                   atol=1e-4)
+        np.testing.assert_allclose(vals, torch.topk(logp, 5, dim=-1).values.numpy(), atol=1e-4)
+        assert tops.shape == (len(s) - 1, 5) and w_actual.shape == actual.shape
+        # a window restarts the context: its first prediction differs, the ones within it are finite
+        assert np.isfinite(w_actual).all()
+
+
+def test_model_positive_control_own_text_and_keeps_what_it_rates_best(traffic):
+    """The traffic's own text as reference and a model of its language: nearly everything; the kept map is the
+    likeliest the model read (never below the start it chose)."""
+    chain, plain, observed, _ = traffic
+    res = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, anneal_steps=50, seed=0, lm=ChainLM(chain),
+                        lm_bigram=False, lm_rounds=3)
+    assert recovery(res.obf_to_plain, observed, plain) > 0.95
+    reads = [e["model_ll"] for e in res.trace if e["stage"].startswith("model reads")]
+    assert res.trace[-1]["stage"] == "kept (model)" and res.trace[-1]["model_ll"] >= max(reads) - 1e-9
+
+
+def test_model_chooses_the_true_map_among_starts(traffic):
+    """Given a random map and the true one as starts (no search), the model's likelihood picks the true one."""
+    chain, plain, observed, perm = traffic
+    seen = np.unique(np.concatenate(observed))
+    inv = np.argsort(perm)
+    truth = {int(c): int(inv[c]) for c in seen}
+    rand = dict(zip(truth, np.random.default_rng(2).permutation(list(truth.values())).tolist()))
+    res = decipher_logs(observed, VOCAB, markov_text(chain, 30, 60, 2), PREFIX, SUFFIX, init=rand, fresh=False,
+                        block_rounds=0, anneal_steps=0, lm=ChainLM(chain), lm_bigram=False, lm_rounds=1,
+                        extra_starts=[("truth", truth)])
+    assert recovery(res.obf_to_plain, observed, plain) > 0.95
+    # the same without the true map: the random start is not turned into a reading of the traffic
+    assert recovery(rand_full(rand), observed, plain) < 0.05
+
+
+def rand_full(mapping: dict) -> np.ndarray:
+    out = np.full(VOCAB, -1, np.int64)
+    out[list(mapping)] = list(mapping.values())
+    return out
+
+
+def test_model_negative_control_relabelled_language(traffic):
+    """A model and a reference of another language with the same statistics under other ids: near chance."""
+    chain, plain, observed, _ = traffic
+    q = np.random.default_rng(8).permutation(VOCAB)
+    inv = np.argsort(q)
+    other_chain = chain[np.ix_(inv, inv)]  # P'(q[a] -> q[b]) = P(a -> b)
+    other = [q[s] for s in markov_text(chain, 200, 100, 3)]
+    res = decipher_logs(observed, VOCAB, other, anneal_steps=50, seed=0, lm=ChainLM(other_chain), lm_bigram=False,
+                        lm_rounds=3, lm_options={"digits": list(range(10))})
+    assert recovery(res.obf_to_plain, observed, plain) < 0.05
+    g = res.obf_to_plain[np.unique(np.concatenate(observed))]
+    assert len(np.unique(g[g >= 0])) == (g >= 0).sum()
+
+
+def test_model_reading_sparse_scores_and_cover_sample():
+    """The reading's per-row score of a candidate: its summed log-probability where the model ranked it in its top,
+    the occurrence's floor elsewhere; the sample reads within its token budget, all requests when they fit."""
+    from aloepri.attacks.log_reader import ModelReading, cover_sample
+
+    chain = zipf_chain(0)
+    rows = [np.asarray(s) % 50 for s in markov_text(chain, 6, 20, 4)]
+    plain = np.arange(50) * 3
+    index = np.full(VOCAB, 50, np.int64)
+    index[plain] = np.arange(50)
+    top = 8
+    rd = ModelReading(ChainLM(chain), rows, plain, index, 50, top, 64)
+    exact = np.zeros((50, 50))
+    for r in rows:
+        x = plain[r]
+        for t in range(1, len(r)):
+            lp = np.log(chain[x[t - 1]])
+            floor = np.sort(lp)[-top]
+            ranked = lp[plain] >= floor
+            exact[r[t]] += np.where(ranked, lp[plain], floor)
+    assert rd.positions == sum(len(r) - 1 for r in rows)
+    score = rd.floor[:, None] + rd.bonus.toarray()
+    seen = rd.occurrences > 0
+    np.testing.assert_allclose(score[seen], exact[seen], rtol=1e-4, atol=1e-3)
+    chosen = cover_sample(rows, 50, 60, cover=1, seed=0)
+    assert 0 < sum(len(rows[i]) for i in chosen) <= 60
+    assert cover_sample(rows, 50, None) == list(range(len(rows)))

@@ -75,6 +75,26 @@ class CandidateModel:
         self.lift = sp.csr_matrix((lift.astype(np.float32), (coo.row, coo.col)), shape=(c, c))
         self.lift_t = self.lift.T.tocsr()
 
+    def extended(self, vocab_size: int, add: float = 0.1, lam: float = 0.8) -> "CandidateModel":
+        """The same model over every token of the vocabulary: the candidates keep their column indices, the rest
+        follow (unigram only: the reference's add-``add`` smoothing, no lift); ``unk`` becomes the new last index.
+        What the public model's reading may propose is then never out of reach."""
+        c = len(self.cols)
+        rest = np.setdiff1d(np.arange(vocab_size), self.cols)
+        out = object.__new__(CandidateModel)
+        out.cols = np.concatenate([self.cols, rest])
+        c2 = len(out.cols)
+        out.index = np.full(vocab_size, c2, np.int64)
+        out.index[out.cols] = np.arange(c2)
+        # the unknown bucket's mass per type is the smoothed mass of an unseen type
+        out.p = np.concatenate([self.p, np.full(len(rest), np.exp(self.unk_logp))])
+        out.unk_logp = float(np.log(1e-12))
+        out.base = np.concatenate([self.base, np.log((1 - lam) * out.p[c:])]).astype(np.float32)
+        lift = self.lift.tocoo()
+        out.lift = sp.csr_matrix((lift.data, (lift.row, lift.col)), shape=(c2, c2))
+        out.lift_t = out.lift.T.tocsr()
+        return out
+
     def pair_logp(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """log P(b | a) for column-index arrays (``unk`` allowed on either side)."""
         c = len(self.cols)
@@ -200,10 +220,14 @@ def match(top: np.ndarray, val: np.ndarray, n_cols: int, fixed: dict[int, int]) 
     returned as ``n_cols``). Anchors are fixed."""
     n, k = top.shape
     post = val - np.logaddexp.reduce(val.astype(np.float64), axis=1, keepdims=True)
-    cost = (-post + 1.0).astype(np.float64)
-    rows = np.repeat(np.arange(n), k)
-    cols = top.ravel().copy()
-    w = cost.ravel().copy()
+    return _min_cost(np.repeat(np.arange(n), k), top.ravel().copy(), (-post + 1.0).astype(np.float64).ravel(), n,
+                     n_cols, fixed)
+
+
+def _min_cost(rows: np.ndarray, cols: np.ndarray, w: np.ndarray, n: int, n_cols: int, fixed: dict[int, int]
+              ) -> np.ndarray:
+    """The sparse minimum-cost full matching behind ``match``: (row, column, cost) entries, one per pair; each row
+    may also fall on its own 'unknown' column at a cost above every other (returned as ``n_cols``)."""
     taken = np.zeros(n_cols + 1, bool)
     for r, c in fixed.items():
         taken[c] = True
@@ -230,7 +254,9 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
                   temperatures: Sequence[float] = (8.0, 4.0, 2.0, 1.0, 0.5), mf_iterations: int = 1,
                   damping: float = 0.0, sinkhorn_rounds: int = 3, block_rounds: int = 20,
                   anneal_steps: int = 400, anneal_candidates: int = 8_000, anneal_t_start: float = 4.0, seed: int = 0,
-                  lm=None, lm_weight: float = 0.15, lm_candidates: int | None = None, fresh: bool = True,
+                  lm=None, lm_weight: float = 0.15, lm_candidates: int | None = None, lm_bigram: bool = True,
+                  lm_rounds: int = 0, lm_options: dict | None = None, fresh: bool = True,
+                  extra_starts: Sequence[tuple[str, dict[int, int]]] = (),
                   progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
 
@@ -238,7 +264,14 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     kept; ``fresh=False``: the warm start alone, half the time). ``max_candidates`` / ``candidates_per_id``:
     plaintext types considered (the reference's most frequent, at most ``max_candidates``, at least
     ``candidates_per_id`` per observed id where the reference has them).
-    Memory: O(nnz of the bigram model + ids x top_k + anneal_candidates^2), never ids x candidates."""
+    ``lm`` (the public model): with ``lm_bigram`` its next-token distribution after each candidate joins the
+    bigram model (``lm_successors``); with ``lm_rounds`` > 0 the maps the search ends on (and the warm start as
+    given) are read by the model, the one it rates likeliest is kept and refined by ``lm_refine`` (EM with the
+    model's full-context predictions; ``lm_options``: its keywords, e.g. ``sample_tokens``, ``digits``,
+    ``device``). ``extra_starts``: (name, cipher id -> plaintext) maps from other searches (another decipherer)
+    the model also reads and may choose.
+    Memory: O(nnz of the bigram model + ids x top_k + anneal_candidates^2), never ids x candidates; the model's
+    reading: O(tokens read x its ``top``)."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     stream = ObservedStream.of(requests)
@@ -252,7 +285,7 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     cols = seen[np.argsort(-ref_counts[seen], kind="stable")][:n_cand]
     cols = np.concatenate([cols, np.setdiff1d(np.fromiter(anchors.values(), np.int64, len(anchors)), cols)])
     lm_next = None
-    if lm is not None:  # the model reads the ``lm_candidates`` most frequent candidates (all when None)
+    if lm is not None and lm_bigram:  # the model reads the ``lm_candidates`` most frequent candidates (all: None)
         read = cols[:lm_candidates] if lm_candidates else cols
         lm_next = sp.vstack([lm_successors(lm, read, cols=cols),
                              sp.csr_matrix((len(cols) - len(read), len(cols)), dtype=np.float32)]).tocsr()
@@ -304,28 +337,53 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     starts = [("fresh", fix(match(top, val, c, fixed)))] if fresh else []
     if fresh:
         record({"stage": "matching"}, starts[0][1])
-    if init:
-        warm = fix(np.array([model.index[init[int(i)]] if int(i) in init and init[int(i)] >= 0 else c
+    def as_rows(given: dict[int, int]) -> np.ndarray:
+        warm = fix(np.array([model.index[given[int(i)]] if int(i) in given and given[int(i)] >= 0 else c
                              for i in stream.cipher_ids], np.int64))
         # a warm map may repeat columns where the earlier volume's ids were not all distinct here: keep the first
         _, first = np.unique(warm, return_index=True)
         dup = np.ones(n, bool)
         dup[first] = False
         warm[dup & (warm < c)] = c
-        starts.append(("warm", fix(warm)))
+        return fix(warm)
+
+    if init:
+        starts.append(("warm", as_rows(init)))
         record({"stage": "warm start"}, starts[-1][1])
     best, best_ll = None, -np.inf
+    ends: list[tuple[str, np.ndarray]] = []
     for name, m in starts:
-        m = block_moves(model, left, right, pairs, counts, total, m, fixed, block_rounds, top_k, rng)
-        record({"stage": f"{name}: block moves"}, m)
+        if name == "warm":
+            ends.append(("warm start", m.copy()))
+        if block_rounds:
+            m = block_moves(model, left, right, pairs, counts, total, m, fixed, block_rounds, top_k, rng)
+            record({"stage": f"{name}: block moves"}, m)
         if anneal_steps:
             m = anneal(model, left, right, counts, total, m, fixed, anneal_steps * n, anneal_candidates, top_k,
                        int(rng.integers(1 << 30)), anneal_t_start)
             record({"stage": f"{name}: annealing", "steps": anneal_steps * n}, m)
-        ll = trace[-1]["log_likelihood"]
+        ends.append((f"{name}: searched", m))
+        ll = log_likelihood(model, pairs, m, total)
         if ll > best_ll:
             best, best_ll = m, ll
     trace.append({"stage": "kept", "log_likelihood": round(best_ll, 1)})
+    if lm is not None and lm_rounds > 0:
+        # the model, not the bigram likelihood, chooses between the maps (the warm start as given among them:
+        # a larger volume never returns a map the model rates below the one it started from)
+        # every token of the vocabulary becomes a candidate (the model may propose what the reference lacks)
+        model = model.extended(vocab_size)
+        c2 = len(model.cols)
+        ends = [(name, np.where(m < c, m, c2)) for name, m in ends]
+        fixed = {r: (v if v < c else c2) for r, v in fixed.items()}
+        cols, c = model.cols, c2
+        fixed_rows = np.array(sorted(fixed), np.int64)
+        # the maps given from outside, read again over every token (nothing they hold is out of reach now)
+        ends = [(name, as_rows(init)) if name == "warm start" else (name, m) for name, m in ends]
+        ends += [(name, as_rows(given)) for name, given in extra_starts]
+        best, reading = lm_refine(lm, model, stream, left, right, counts, total, ends, fixed, rounds=lm_rounds,
+                                  seed=seed, record=record, **(lm_options or {}))
+        trace.append({"stage": "kept (model)", "model_ll": round(reading.mean_ll, 4),
+                      "log_likelihood": round(log_likelihood(model, pairs, best, total), 1)})
     return DecipherResult(to_full(best), len(anchors), trace, round(time.perf_counter() - t0, 1))
 
 
@@ -395,6 +453,473 @@ def anneal(model: CandidateModel, left, right, counts, total, m: np.ndarray, fix
     res = np.where(out < k, work[np.minimum(out, k - 1)], c)
     res[list(fixed)] = [fixed[r] for r in fixed]
     return res
+
+
+# --- the public model's full-context predictions: EM over the whole map, kept by the model's own likelihood ------
+
+def _model_device(lm, device=None):
+    import torch
+
+    if device is not None:
+        return torch.device(device)
+    params = getattr(lm, "parameters", None)
+    first = next(params(), None) if callable(params) else None
+    return first.device if first is not None else torch.device("cpu")
+
+
+def lm_read(lm, seqs: Sequence[np.ndarray], top: int = 48, batch_tokens: int = 2048, max_len: int = 1024,
+            device=None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The public model over each plaintext sequence (full left context, windows of ``max_len``): per sequence,
+    for its positions 1..L-1, log p(actual token | prefix) (L-1,), the ``top`` likeliest next tokens (L-1, top)
+    and their log-probabilities (L-1, top), best first. Batched by length, right-padded; memory O(batch_tokens x
+    vocabulary) for one batch's logits."""
+    import torch
+
+    device = _model_device(lm, device)
+    windows = []  # (sequence, start, ids)
+    for i, s in enumerate(seqs):
+        s = np.asarray(s, np.int64)
+        for a in range(0, max(1, len(s) - 1), max_len):
+            w = s[a:a + max_len + 1]  # predicts positions a+1 .. a+max_len
+            if len(w) > 1:
+                windows.append((i, a, w))
+    order = sorted(range(len(windows)), key=lambda j: -len(windows[j][2]))
+    parts: list[list] = [[] for _ in seqs]
+    with torch.no_grad():
+        at = 0
+        while at < len(order):
+            width = len(windows[order[at]][2])
+            batch = order[at:at + max(1, batch_tokens // width)]
+            at += len(batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for j, w in enumerate(batch):
+                seq = torch.as_tensor(windows[w][2])
+                ids[j, :len(seq)] = seq
+                mask[j, :len(seq)] = 1
+            logits = lm(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            del logits
+            v, t = torch.topk(logp, top, dim=-1)
+            actual = torch.gather(logp, 2, ids[:, 1:].to(device)[..., None])[..., 0]
+            del logp
+            v, t, actual = v.cpu().numpy(), t.cpu().numpy(), actual.cpu().numpy()
+            for j, w in enumerate(batch):
+                i, a, seq = windows[w]
+                k = len(seq) - 1
+                parts[i].append((a, actual[j, :k], t[j, :k], v[j, :k]))
+    out = []
+    for p in parts:
+        p.sort(key=lambda x: x[0])
+        if not p:
+            out.append((np.zeros(0, np.float32), np.zeros((0, top), np.int64), np.zeros((0, top), np.float32)))
+            continue
+        out.append((np.concatenate([x[1] for x in p]), np.concatenate([x[2] for x in p]).astype(np.int64),
+                    np.concatenate([x[3] for x in p])))
+    return out
+
+
+def cover_sample(rows: Sequence[np.ndarray], n_rows: int, max_tokens: int | None, cover: int = 3, seed: int = 0
+                 ) -> list[int]:
+    """Requests for the model to read: all of them when they fit ``max_tokens``; otherwise, in a seeded order,
+    first those holding an id seen fewer than ``cover`` times so far, then the others, up to ``max_tokens``
+    (every id read several times where the volume allows)."""
+    total = sum(len(r) for r in rows)
+    if max_tokens is None or total <= max_tokens:
+        return list(range(len(rows)))
+    order = np.random.default_rng(seed).permutation(len(rows))
+    seen = np.zeros(n_rows, np.int64)
+    chosen, used, rest = [], 0, []
+    for i in order:
+        r = rows[i]
+        if used + len(r) > max_tokens:
+            continue
+        if (seen[r] < cover).any():
+            chosen.append(int(i))
+            used += len(r)
+            np.add.at(seen, r, 1)
+        else:
+            rest.append(int(i))
+    for i in rest:
+        if used + len(rows[i]) <= max_tokens:
+            chosen.append(i)
+            used += len(rows[i])
+    return sorted(chosen)
+
+
+class ModelReading:
+    """The public model's reading of the deciphered sample under one map: its mean log-likelihood per token (the
+    observer's key-free yardstick) and, per observed row, the summed log-probabilities of candidate plaintexts at
+    its occurrences (sparse: the model's ``top`` next tokens at each occurrence above a per-occurrence floor,
+    the ``top``-th log-probability; every other candidate scores the floor)."""
+
+    def __init__(self, lm, rows: Sequence[np.ndarray], plain_of_row: np.ndarray, index: np.ndarray, n_cols: int,
+                 top: int, batch_tokens: int, device=None):
+        n = len(plain_of_row)
+        read = lm_read(lm, [plain_of_row[r] for r in rows], top=top, batch_tokens=batch_tokens, device=device)
+        pos_rows = np.concatenate([r[1:] for r in rows if len(r) > 1])
+        actual = np.concatenate([x[0] for x in read])
+        tops = np.concatenate([x[1] for x in read])
+        vals = np.concatenate([x[2] for x in read])
+        self.mean_ll = float(actual.mean()) if len(actual) else 0.0
+        self.positions = len(actual)
+        floor = vals[:, -1].astype(np.float64)
+        self.occurrences = np.bincount(pos_rows, minlength=n).astype(np.float64)
+        self.floor = np.bincount(pos_rows, weights=floor, minlength=n)
+        col = index[tops]
+        ok = col < n_cols
+        r = np.broadcast_to(pos_rows[:, None], col.shape)[ok]
+        bonus = (vals - floor[:, None].astype(np.float32))[ok]
+        self.bonus = sp.csr_matrix((bonus.astype(np.float64), (r, col[ok])), shape=(n, n_cols))
+        self.bonus.sum_duplicates()
+        # the model's belief that each occurrence is a digit (for the digits' step)
+        self.tops, self.vals, self.pos_rows = tops, vals, pos_rows
+
+
+def match_sparse(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, n: int, n_cols: int,
+                 fixed: dict[int, int], posterior: bool = False) -> np.ndarray:
+    """``match`` over an arbitrary sparse candidate list (row, column, score; one entry per pair). ``posterior``:
+    each row's scores normalised to log-posteriors over its own candidates (as ``match``); otherwise the summed
+    scores themselves are maximised (each a row's share of one log-likelihood; shifted per row to its best, which
+    leaves the optimum unchanged)."""
+    order = np.lexsort((cols, rows))
+    rows, cols, vals = rows[order], cols[order], vals[order].astype(np.float64)
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+    mx = np.maximum.reduceat(vals, starts)
+    grp = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(rows)]))
+    if posterior:
+        lse = mx + np.log(np.add.reduceat(np.exp(vals - mx[grp]), starts))
+        return _min_cost(rows, cols, -(vals - lse[grp]) + 1.0, n, n_cols, fixed)
+    return _min_cost(rows, cols, mx[grp] - vals + 1.0, n, n_cols, fixed)
+
+
+def _lm_candidates(reading: ModelReading, model: CandidateModel, left, right, counts, total, m: np.ndarray,
+                   movable: np.ndarray, per_row: int, top_k: int, w_left: float, w_right: float
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, column, score) for the movable rows: the model's ``per_row`` best columns at the row's occurrences
+    (left context: its full-context predictions, scaled from the occurrences read to all of them), the bigram
+    model's ``top_k`` and the row's current column; score = the model's left term + ``w_right`` x the bigram's
+    right-context term + ``w_left`` x the bigram's own left term (its count and Poisson terms included)."""
+    c = len(model.cols)
+    belief = onehot(m, c)
+    scale = counts / np.maximum(reading.occurrences, 1.0)
+    bonus = reading.bonus
+    out_r, out_c, out_v = [], [], []
+    rows_all = np.flatnonzero(movable)
+    for rows in _blocks(len(rows_all), c):
+        rows = rows_all[rows]
+        full = _scores_block(model, left, right, belief, counts, total, rows)
+        rgt = ((right[rows] @ belief) @ model.lift_t).toarray()
+        lft = full - rgt
+        bt = np.argpartition(-full, min(top_k, c) - 1, axis=1)[:, :top_k]
+        sub = bonus[rows]
+        for j, r in enumerate(rows):
+            lo, hi = sub.indptr[j], sub.indptr[j + 1]
+            ci, bv = sub.indices[lo:hi], sub.data[lo:hi]
+            if len(ci) > per_row:
+                keep = np.argpartition(-bv, per_row - 1)[:per_row]
+                ci = ci[keep]
+            cand = np.unique(np.concatenate([ci, bt[j], [m[r]] if m[r] < c else []]).astype(np.int64))
+            lmv = scale[r] * (reading.floor[r] + np.asarray(bonus[r, cand].todense()).ravel())
+            out_r.append(np.full(len(cand), r))
+            out_c.append(cand)
+            out_v.append(lmv + w_right * rgt[j, cand] + w_left * lft[j, cand])
+    if not out_r:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    return np.concatenate(out_r), np.concatenate(out_c), np.concatenate(out_v)
+
+
+def _pair_scores(reading: ModelReading, model: CandidateModel, left, right, counts, total, m: np.ndarray,
+                 rows: np.ndarray, cols: np.ndarray, w_left: float, w_right: float) -> np.ndarray:
+    """The score of ``_lm_candidates`` for arbitrary (row, column) pairs (neighbours read through ``m``)."""
+    c = len(model.cols)
+    if not len(rows):
+        return np.zeros(0)
+    belief = onehot(m, c)
+    scale = counts / np.maximum(reading.occurrences, 1.0)
+    lmv = scale[rows] * (reading.floor[rows] + np.asarray(reading.bonus[rows, cols]).ravel())
+    ctx_l = left[rows] @ belief
+    ctx_r = right[rows] @ belief
+    lft = np.asarray(ctx_l.multiply(model.lift_t[cols]).sum(axis=1)).ravel()
+    rgt = np.asarray(ctx_r.multiply(model.lift[cols]).sum(axis=1)).ravel()
+    lft = lft + counts[rows] * model.base[cols] - total * model.p[cols]
+    return lmv + w_right * rgt + w_left * lft
+
+
+def _gain_moves(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left, w_right, n_moves
+                ) -> np.ndarray:
+    """Up to ``n_moves`` moves, the largest estimated gains first: a row to its best column, the column's holder
+    to the row's old column (a swap, so the map stays 1:1), each taken only when the swap's summed score rises."""
+    c = len(model.cols)
+    r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left,
+                                w_right)
+    if not len(r_):
+        return m
+    cur = np.full(len(m), -np.inf)
+    is_cur = c_ == m[r_]
+    cur[r_[is_cur]] = v_[is_cur]
+    order = np.lexsort((-v_, r_))
+    r_, c_, v_ = r_[order], c_[order], v_[order]
+    first = np.flatnonzero(np.r_[True, r_[1:] != r_[:-1]])
+    best_r, best_c, best_v = r_[first], c_[first], v_[first]
+    base = np.where(np.isfinite(cur[best_r]), cur[best_r], best_v - 1e3)
+    gain = best_v - base
+    go = (gain > 0) & (best_c != m[best_r])
+    best_r, best_c, gain = best_r[go], best_c[go], gain[go]
+    order = np.argsort(-gain)
+    best_r, best_c, gain = best_r[order], best_c[order], gain[order]
+    holder = np.full(c + 1, -1, np.int64)
+    holder[m[m < c]] = np.flatnonzero(m < c)
+    # the swap's other half, scored in one batch
+    other = holder[best_c]
+    has = other >= 0
+    back = np.zeros(len(best_r))
+    if has.any():
+        o, oc = other[has], m[best_r[has]]
+        ok = oc < c
+        sc_new = np.full(int(has.sum()), -1e3)
+        sc_new[ok] = _pair_scores(reading, model, left, right, counts, total, m, o[ok], oc[ok], w_left, w_right)
+        sc_old = _pair_scores(reading, model, left, right, counts, total, m, o, best_c[has], w_left, w_right)
+        back[has] = sc_new - sc_old
+    out = m.copy()
+    used = np.zeros(len(m), bool)
+    done = 0
+    for j, (r, col) in enumerate(zip(best_r, best_c)):
+        if done >= n_moves:
+            break
+        b = other[j]
+        if used[r] or (b >= 0 and (used[b] or not movable[b])):
+            continue
+        if gain[j] + back[j] <= 0:
+            continue
+        old = out[r]
+        out[r] = col
+        if b >= 0:
+            out[b] = old
+            used[b] = True
+        used[r] = True
+        done += 1
+    return out
+
+
+def _window_moves(lm, reading: ModelReading, model: CandidateModel, left, right, counts, total, m: np.ndarray,
+                  rows: Sequence[np.ndarray], plain: Sequence[np.ndarray], movable: np.ndarray, *, per_row: int,
+                  top_k: int, w_left: float, w_right: float, n_proposals: int, context: int, ahead: int,
+                  occurrences: int, batch_tokens: int, device, rng: np.random.Generator
+                  ) -> tuple[np.ndarray, int]:
+    """Moves scored by the model itself on windows: the ``n_proposals`` moves (a row to another column; the
+    column's holder to the row's old one: a swap) with the largest estimated gains (``_lm_candidates``' scores)
+    are each read by the model at up to ``occurrences`` of each moved row: ``context`` tokens before the row's
+    position and ``ahead`` after it, the log-likelihood of the changed position and of what follows (both sides
+    of the token: what the model predicts there and how it then predicts the next ones), against the same windows
+    as they stand. The moves whose windows gain are applied together, largest first, each row and column once.
+    Returns the new map and the number of moves applied."""
+    c = len(model.cols)
+    r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left,
+                                w_right)
+    if not len(r_):
+        return m, 0
+    cur = np.full(len(m), np.nan)
+    is_cur = c_ == m[r_]
+    cur[r_[is_cur]] = v_[is_cur]
+    gap = v_ - np.where(np.isnan(cur[r_]), v_.min() - 1.0, cur[r_])
+    pick = np.flatnonzero((c_ != m[r_]) & (gap > -np.inf))
+    # the best few alternatives per row, the rows with the largest gains first
+    pick = pick[np.lexsort((-gap[pick], r_[pick]))]
+    first = np.r_[True, r_[pick][1:] != r_[pick][:-1]]
+    rank = np.arange(len(pick)) - np.maximum.accumulate(np.where(first, np.arange(len(pick)), 0))
+    pick = pick[rank < 2]
+    pick = pick[np.argsort(-gap[pick])][:n_proposals]
+    holder = np.full(c + 1, -1, np.int64)
+    holder[m[m < c]] = np.flatnonzero(m < c)
+    where: dict[int, list[tuple[int, int]]] = {}
+    for i, rr in enumerate(rows):
+        for t in range(1, len(rr)):
+            where.setdefault(int(rr[t]), []).append((i, t))
+    windows, owner, sign, starts = [], [], [], []
+
+    def add(j: int, row: int, new_col: int) -> None:
+        occ = where.get(row, [])
+        if len(occ) > occurrences:
+            occ = [occ[k] for k in rng.choice(len(occ), occurrences, replace=False)]
+        for i, t in occ:
+            a = max(0, t - context)
+            w = np.asarray(plain[i][a:t + ahead + 1]).copy()
+            base = w.copy()
+            w[t - a] = model.cols[new_col] if new_col < c else model.cols[0]
+            for arr, sg in ((w, 1.0), (base, -1.0)):
+                windows.append(arr)
+                owner.append(j)
+                sign.append(sg)
+                starts.append(t - a)
+
+    moves = []
+    for j, p in enumerate(pick):
+        r, v = int(r_[p]), int(c_[p])
+        b = int(holder[v]) if v < c else -1
+        if b >= 0 and not movable[b]:
+            continue
+        moves.append((r, v, b, int(m[r])))
+        add(len(moves) - 1, r, v)
+        if b >= 0:
+            add(len(moves) - 1, b, int(m[r]))
+    if not moves:
+        return m, 0
+    read = lm_read(lm, windows, top=1, batch_tokens=batch_tokens, device=device)
+    gain = np.zeros(len(moves))
+    for (actual, _, _), j, sg, s0 in zip(read, owner, sign, starts):
+        gain[j] += sg * float(actual[s0 - 1:].sum())
+    out = m.copy()
+    used_r = np.zeros(len(m), bool)
+    used_c = np.zeros(c + 1, bool)
+    applied = 0
+    for j in np.argsort(-gain):
+        if gain[j] <= 0:
+            break
+        r, v, b, u = moves[j]
+        if used_r[r] or (b >= 0 and used_r[b]) or used_c[v] or (u < c and used_c[u]):
+            continue
+        out[r] = v
+        used_r[r] = True
+        used_c[v] = True
+        if b >= 0:
+            out[b] = u
+            used_r[b] = True
+            used_c[u] = True
+        applied += 1
+    return out, applied
+
+
+def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, counts, total,
+              starts: Sequence[tuple[str, np.ndarray]], fixed: dict[int, int], *, rounds: int = 4, top: int = 48, per_row: int = 24, top_k: int = 12,
+              w_left: float = 0.0, w_right: float = 1.0, sample_tokens: int | None = None, cover: int = 3,
+              batch_tokens: int = 2048, device=None, digits: Sequence[int] | None = None, digit_rounds: int = 2,
+              posterior: bool = False, move_share: float = 1.0, moves: str = "match", proposals: int = 200,
+              context: int = 24, ahead: int = 6, occurrences: int = 2,
+              seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
+              ) -> tuple[np.ndarray, ModelReading]:
+    """EM with the public model's full-context predictions. Decipher a sample of the requests with the current map
+    (``cover_sample``: all of them when they fit ``sample_tokens``), let the model read it (``ModelReading``),
+    re-assign every read id by a 1:1 matching on the model's scores plus the bigram's right context
+    (``_lm_candidates``), and keep the new map only when the model's mean log-likelihood of the deciphered sample
+    rises (the observer's key-free yardstick); after a rejected round, half as many ids move. Then the digits as a
+    unit (``digits``: their plaintext ids): the ids the model reads as digits are re-assigned among the ten
+    jointly, kept by the same test. ``starts``: (name, map) pairs; the model reads each and the one it rates
+    likeliest is refined (how the fresh and the warm-started maps are chosen between). Returns the map and the
+    model's reading of it."""
+    from scipy.optimize import linear_sum_assignment
+
+    c = len(model.cols)
+    n = len(starts[0][1])
+    rng = np.random.default_rng(seed)
+    chosen = cover_sample(stream.rows, n, sample_tokens, cover, seed)
+    rows = [stream.rows[i] for i in chosen]
+    holder = int(model.cols[0])  # what an id on 'unknown' reads as
+
+    def read(mm: np.ndarray) -> ModelReading:
+        plain = np.where(mm < c, model.cols[np.minimum(mm, c - 1)], holder)
+        return ModelReading(lm, rows, plain, model.index, c, top, batch_tokens, device)
+
+    m, reading = None, None
+    for j, (name, start) in enumerate(starts):
+        if any(np.array_equal(start, s) for _, s in starts[:j]):
+            continue  # read once
+        r0 = read(start)
+        if record:
+            record({"stage": f"model reads: {name}", "model_ll": round(r0.mean_ll, 4), "positions": r0.positions,
+                    "requests_read": len(rows)}, start)
+        if reading is None or r0.mean_ll > reading.mean_ll:
+            m, reading = start, r0
+    fixed_rows = np.array(sorted(fixed), np.int64)
+    share = move_share
+    for i in range(rounds):
+        movable = (reading.occurrences > 0) & (rng.random(n) < share)
+        movable[fixed_rows] = False
+        keep = {int(r): int(m[r]) for r in np.flatnonzero(~movable)}
+        keep.update(fixed)
+        if moves == "window":  # moves the model scores on windows around them
+            movable = (reading.occurrences > 0)
+            movable[fixed_rows] = False
+            plain = [np.where(m < c, model.cols[np.minimum(m, c - 1)], holder)[r] for r in rows]
+            cand, _ = _window_moves(lm, reading, model, left, right, counts, total, m, rows, plain, movable,
+                                    per_row=per_row, top_k=top_k, w_left=w_left, w_right=w_right,
+                                    n_proposals=max(1, int(proposals * share)), context=context, ahead=ahead,
+                                    occurrences=occurrences, batch_tokens=batch_tokens, device=device, rng=rng)
+        elif moves == "gain":  # the largest estimated gains, as swaps; ``share`` of the movable ids at most
+            movable = (reading.occurrences > 0)
+            movable[fixed_rows] = False
+            cand = _gain_moves(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left,
+                               w_right, max(1, int(share * movable.sum())))
+        else:
+            r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, per_row, top_k,
+                                        w_left, w_right)
+            cand = match_sparse(r_, c_, v_, n, c, keep, posterior)
+        moved = int((cand != m).sum())
+        new = read(cand)
+        ok = new.mean_ll > reading.mean_ll
+        if ok:
+            m, reading = cand, new
+        else:
+            share /= 2
+        if record:
+            record({"stage": f"model EM round {i + 1}", "model_ll": round(new.mean_ll, 4), "moved": moved,
+                    "kept": bool(ok)}, m)
+        if moved == 0 or share < 0.05:
+            break
+    if digits is not None and len(digits):
+        dcols = model.index[np.asarray(digits, np.int64)]
+        dcols = dcols[dcols < c]
+        for i in range(digit_rounds):
+            # the ids the model reads as digits: its probability mass on the ten at their occurrences
+            is_d = np.isin(reading.tops, model.cols[dcols])
+            mass = (np.exp(reading.vals) * is_d).sum(axis=1)
+            per = np.bincount(reading.pos_rows, weights=mass, minlength=n) / np.maximum(reading.occurrences, 1)
+            per[fixed_rows] = 0
+            held = np.isin(m, dcols)
+            cand_rows = np.flatnonzero((per > 0.5) | held)
+            cand_rows = cand_rows[np.argsort(-(per[cand_rows] + held[cand_rows]))][:len(dcols)]
+            if len(cand_rows) < 2:
+                break
+            movable = np.zeros(n, bool)
+            movable[cand_rows] = True
+            r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, 10 ** 9, 0, w_left,
+                                        w_right)
+            score = np.full((len(cand_rows), len(dcols)), -1e9)
+            pos_r = {int(r): j for j, r in enumerate(cand_rows)}
+            pos_c = {int(cc): j for j, cc in enumerate(dcols)}
+            for r, cc, v in zip(r_, c_, v_):
+                if int(cc) in pos_c:
+                    score[pos_r[int(r)], pos_c[int(cc)]] = v
+            # rows with no digit candidate score the model's floor at their occurrences
+            score = np.where(score <= -1e9, (counts[cand_rows] / np.maximum(reading.occurrences[cand_rows], 1) *
+                                             reading.floor[cand_rows])[:, None] - 1.0, score)
+            ri, ci = linear_sum_assignment(-score)
+            cand = m.copy()
+            freed = [int(m[r]) for r in cand_rows if m[r] < c and m[r] not in dcols]
+            cand[cand_rows] = c
+            cand[cand_rows[ri]] = dcols[ci]
+            # ids outside the unit that held a digit take the columns the unit's ids left
+            unit = set(cand_rows[ri].tolist())
+            for r in np.flatnonzero(np.isin(cand, dcols)):
+                if int(r) not in unit and (cand[cand_rows[ri]] == cand[r]).any():
+                    cand[r] = freed.pop() if freed else c
+            left_over = [r for r in cand_rows if cand[r] == c]
+            for r in left_over:
+                if freed:
+                    cand[r] = freed.pop()
+            moved = int((cand != m).sum())
+            if moved == 0:
+                break
+            new = read(cand)
+            ok = new.mean_ll > reading.mean_ll
+            if ok:
+                m, reading = cand, new
+            if record:
+                record({"stage": f"digits round {i + 1}", "model_ll": round(new.mean_ll, 4), "moved": moved,
+                        "kept": bool(ok), "digit_ids": len(cand_rows)}, m)
+            if not ok:
+                break
+    return m, reading
 
 
 # --- the registered attacks' engine: the audit's observer of the logs, at a stated traffic volume ----------------
