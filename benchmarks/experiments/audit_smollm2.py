@@ -169,6 +169,10 @@ CONFIGS = {"ci": Settings(),
            # attacks that run the models on the engine, one model at a time
            "qwen-coder-1.5b-small-llamacpp": Settings(budget="small", threads=2, model="qwen-coder-1.5b", seed=2026,
                                                       dtype="bfloat16", engine="llamacpp-q8_0"),
+           # memory and time against size (docs/performance.md): the same command at `small` on each real model's
+           # cached bfloat16 `default` output, torch (both models in process, float32) beside llama.cpp q8_0
+           **{f"{m}-small-{tag}": Settings(budget="small", threads=2, model=m, seed=2026, dtype="bfloat16", engine=e)
+              for m in ("smollm2", "qwen-coder") for tag, e in (("torch", "torch"), ("llamacpp", "llamacpp-q8_0"))},
            # SmolLM2 at ci with every attack (none skipped as not needed), the command in a child: its CPU time
            "ci-all-attacks": Settings(threads=1, seed=2026, engine="torch", all_attacks=True),
            "ci-all-attacks-llamacpp": Settings(threads=1, seed=2026, engine="llamacpp-q8_0", all_attacks=True),
@@ -177,6 +181,9 @@ CONFIGS = {"ci": Settings(),
            # torch engine on the GPU; and the same path at 2 layers and a 16k vocabulary on the CPU, how it is tested here
            "synthetic-8b-cuda": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=8,
                                          seed=2026, engine="torch", device="cuda", threads=8),
+           # the 8B shape on this machine: all 32 layers, the full vocabulary, llama.cpp q8_0, at ci
+           "synthetic-8b-llamacpp": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", seed=2026,
+                                             engine="llamacpp-q8_0", threads=2),
            "synthetic-8b-2layers-cpu": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=2,
                                                 synthetic_vocab=16384, seed=2026, engine="torch", threads=2)}
 DOCS = ("docs/audit.md",)

@@ -161,6 +161,28 @@ def test_llama_cpp_engine_reads_what_torch_reads(tiny):
 
 
 @needs_llama_cpp
+def test_llama_cpp_packs_short_sequences_into_one_call_with_the_rows_of_each_alone(tiny):
+    """Short contexts (one token each, as the log reader's successor reads) go several to a llama.cpp call, each its
+    own sequence: the rows are those of evaluating each alone (one-token contexts bit for bit), and no sequence sees
+    another's tokens (a leak would change the second token's row)."""
+    src, work = tiny
+    plain, obf = open_engines("llamacpp-q8_0", src, work / "exact", threads=1)
+    try:
+        alone = np.stack([np.array(plain._eval([t]), dtype=np.float32)[-1] for t in range(3, 103)])
+        packed = plain.next_logits(torch.arange(3, 103)[:, None]).numpy()
+        assert plain._pack is not None  # the packed path ran
+        np.testing.assert_array_equal(packed, alone)
+        pairs = torch.tensor([[5, 6], [7, 6], [9, 6]])
+        rows = plain.logits(pairs).numpy()
+        for i, s in enumerate(pairs.tolist()):
+            np.testing.assert_allclose(rows[i], np.array(plain._eval(s), dtype=np.float32), rtol=1e-3, atol=1e-3)
+        assert not np.allclose(rows[0, 1], rows[1, 1], atol=1e-3)  # same token, other context: other row
+    finally:
+        plain.close()
+        obf.close()
+
+
+@needs_llama_cpp
 @pytest.mark.parametrize("engine", ["llamacpp-q8_0", "llamacpp-q4_k_m"])
 def test_llama_cpp_engine_controls(tiny, engine):
     src, work = tiny

@@ -150,12 +150,16 @@ class _TorchDecoder(Decoder):
 
 
 class LlamaCppEngine(Engine):
-    """A GGUF file on llama.cpp (llama-cpp-python, full logits at every position). One sequence is evaluated at a
-    time; the longest prefix it shares with the previous one stays in llama.cpp's KV cache and is not evaluated
-    again (greedy decoding and the input-side probes share long prefixes)."""
+    """A GGUF file on llama.cpp (llama-cpp-python, full logits at every position). A sequence longer than
+    ``PACK_MAX_LEN`` is evaluated alone; the longest prefix it shares with the previous one stays in llama.cpp's KV
+    cache and is not evaluated again (greedy decoding and the input-side probes share long prefixes). Short
+    sequences (a single token as context, the log reader's successor reads) are packed many to one llama.cpp batch,
+    each its own sequence in a second context: one call per ``n_ctx`` tokens instead of one per sequence."""
 
     name = "llamacpp"
     decode_batch = 1
+    PACK_MAX_LEN = 16
+    PACK_MAX_SEQS = 256
 
     def __init__(self, path: str | Path, precision: str, threads: int = 1, n_ctx: int = 512):
         llama_cpp = _llama_cpp()
@@ -179,15 +183,65 @@ class LlamaCppEngine(Engine):
         llm.eval(seq[common:])
         return llm.scores[:len(seq)]
 
+    def _packed(self):
+        """The second context (built on first use): up to ``PACK_MAX_SEQS`` sequences in one unified KV cache."""
+        if getattr(self, "_pack", None) is None:
+            import ctypes
+
+            from llama_cpp import _internals
+
+            llama_cpp = _llama_cpp()
+            params = llama_cpp.llama_context_default_params()
+            ctypes.memmove(ctypes.byref(params), ctypes.byref(self.llm.context_params), ctypes.sizeof(params))
+            params.n_seq_max = min(self.PACK_MAX_SEQS, int(llama_cpp.llama_max_parallel_sequences()))
+            params.kv_unified = True
+            ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+            batch = _internals.LlamaBatch(n_tokens=self.n_ctx, embd=0, n_seq_max=int(params.n_seq_max), verbose=False)
+            self._pack = (ctx, batch, int(params.n_seq_max))
+        return self._pack
+
+    def _eval_packed(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        """Logits after every position of each short sequence, several sequences per llama.cpp call (each its own
+        sequence id: none attends to another). The rows are those of evaluating each alone, up to the rounding of
+        llama.cpp's kernels, which depends on how many tokens a call holds (bit for bit for one-token contexts)."""
+        ctx, batch, max_seqs = self._packed()
+        out: list[np.ndarray] = []
+        i = 0
+        while i < len(seqs):
+            group, used = [], 0
+            while i < len(seqs) and len(group) < max_seqs and used + len(seqs[i]) <= self.n_ctx:
+                group.append(seqs[i])
+                used += len(seqs[i])
+                i += 1
+            batch.reset()
+            for sid, s in enumerate(group):
+                batch.add_sequence(s, sid, True)
+            ctx.kv_cache_clear()
+            ctx.decode(batch)
+            rows = np.ctypeslib.as_array(ctx.get_logits(), shape=(used, self.vocab_size))
+            at = 0
+            for s in group:
+                out.append(np.array(rows[at:at + len(s)], dtype=np.float32))
+                at += len(s)
+        return out
+
+    def _rows(self, seqs: Tensor) -> list[np.ndarray]:
+        lists = seqs.cpu().tolist()
+        if len(lists) > 1 and len(lists[0]) <= self.PACK_MAX_LEN:
+            return self._eval_packed(lists)
+        return [np.array(self._eval(s), dtype=np.float32) for s in lists]
+
     def logits(self, seqs: Tensor) -> Tensor:
-        rows = [torch.from_numpy(np.array(self._eval(s), dtype=np.float32)) for s in seqs.cpu().tolist()]
-        return torch.stack(rows)
+        return torch.stack([torch.from_numpy(r) for r in self._rows(seqs)])
 
     def next_logits(self, seqs: Tensor) -> Tensor:
-        rows = [torch.from_numpy(np.array(self._eval(s)[-1], dtype=np.float32)) for s in seqs.cpu().tolist()]
-        return torch.stack(rows)
+        return torch.stack([torch.from_numpy(r[-1]) for r in self._rows(seqs)])
 
     def close(self) -> None:
+        pack, self._pack = getattr(self, "_pack", None), None
+        if pack is not None:
+            pack[1].close()
+            pack[0].close()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None and hasattr(llm, "close"):
             llm.close()
@@ -381,9 +435,28 @@ def plaintext_gguf(plain_src: str | Path, qtype: str) -> Path:
 
     from ..export.gguf import export_gguf, plaintext_reference_dir
 
+    if _declares_output_arch(src):
+        # already in the layout the export reads (a Llama checkpoint): streamed tensor by tensor, never a float32
+        # copy of the whole model (32 GB at 8B)
+        export_gguf(src, out, qtype, allow_foreign=True)
+        return out
     with tempfile.TemporaryDirectory(prefix="aloepri-plain-ref-", dir=out.parent) as work:
         export_gguf(plaintext_reference_dir(src, Path(work) / "ref"), out, qtype)
     return out
+
+
+def _declares_output_arch(src: Path) -> bool:
+    """A Hugging Face directory whose config already declares the architecture an obfuscated output of it would."""
+    import json
+
+    from ..obfuscation.archs import UnsupportedArchitectureError, spec_for_hf
+
+    try:
+        cfg = json.loads((src / "config.json").read_text())
+        spec = spec_for_hf(cfg.get("architectures"))
+    except (OSError, ValueError, UnsupportedArchitectureError):
+        return False
+    return cfg.get("model_type") == spec.output_model_type and not cfg.get("quantization_config")
 
 
 # --- a target's pair of engines, and the default ------------------------------------------------------------------
