@@ -80,7 +80,9 @@ def run(s: Settings, store: ResultStore) -> None:
     keys += [f"stream-decipher/{r}/{v}" for r in s.references for v in s.old_at]
     keys += [f"log-reader-em/{r}/{v}" for r in s.references for v in s.em_at]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
-    todo = sorted((k for k in keys if not store.has(k)), key=lambda k: (int(k.rsplit("/", 1)[1]), k))
+    # by volume; the model's refinement after the search whose map it reads
+    todo = sorted((k for k in keys if not store.has(k)),
+                  key=lambda k: (int(k.rsplit("/", 1)[1]), k.startswith("log-reader-em/"), k))
     if not todo:
         return
     torch.set_num_threads(s.threads)
@@ -208,7 +210,7 @@ def _em_entry(s: Settings, store: ResultStore, ref_name: str, volume: int, obser
     extra_starts, old_figures = [], None
     if volume <= s.old_start_at:
         t1 = time.perf_counter()
-        old = decipher_stream(observed, vocab, ref, pre, post, seed=s.seed)
+        old = decipher_stream(observed, vocab, ref, pre, post, max_candidates=s.old_max_candidates, seed=s.seed)
         seen = np.unique(flat)
         extra_starts = [("decipher_stream", {int(c): int(old.obf_to_plain[c]) for c in seen})]
         old_figures = {**score({}, old.obf_to_plain), "seconds": round(time.perf_counter() - t1, 1)}
@@ -276,6 +278,15 @@ CONFIGS = {
        for r in REFERENCES},
     # the observer with the public model (a config of its own: it loads the model)
     "smollm2-lm": Settings(volumes=(), lm_at=(1_000, 10_000, 100_000), old_at=(), controls_at=()),
+    # the observer holding the public model reading whole requests, from the bigram search's maps of ``smollm2``
+    # (the same stream and key): the model chooses among them and decipher_stream's, EM, then the digits as a unit
+    **{f"smollm2-em{'' if v < 100_000 else '-1e5'}": Settings(
+        volumes=(), old_at=(), controls_at=(), em_at=(v,) if v == 100_000 else (1_000, 10_000), em_from="smollm2",
+        stream_tokens=1_000_000, em_rounds=2, em_options=(("sample_tokens", 5_000), ("digit_rounds", 4)))
+       for v in (1_000, 100_000)},
+    # a third key: the bigram search and the model's refinement on the same stream
+    "smollm2-seed2-em": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), em_at=(1_000, 10_000), seed=2,
+                                 em_rounds=2, em_options=(("sample_tokens", 5_000), ("digit_rounds", 4))),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }

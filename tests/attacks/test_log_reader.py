@@ -275,3 +275,23 @@ def test_model_reading_sparse_scores_and_cover_sample():
     chosen = cover_sample(rows, 50, 60, cover=1, seed=0)
     assert 0 < sum(len(rows[i]) for i in chosen) <= 60
     assert cover_sample(rows, 50, None) == list(range(len(rows)))
+
+
+def test_digits_unit_swaps_back_two_exchanged_digits(traffic):
+    """Ten tokens taken as the 'digits': the truth with two of them exchanged; the digits' step, scored by a model
+    of the language on windows, exchanges them back (and the kept map is one the model rates higher)."""
+    chain, plain, observed, perm = traffic
+    seen = np.unique(np.concatenate(observed))
+    inv = np.argsort(perm)
+    truth = {int(c): int(inv[c]) for c in seen}
+    counts = np.bincount(np.concatenate(plain), minlength=VOCAB)
+    digits = np.argsort(-counts)[5:15]  # frequent enough to be read in several contexts
+    a, b = int(perm[digits[0]]), int(perm[digits[1]])
+    swapped = dict(truth)
+    swapped[a], swapped[b] = truth[b], truth[a]
+    res = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, init=swapped, fresh=False, block_rounds=0,
+                        anneal_steps=0, lm=ChainLM(chain), lm_bigram=False, lm_rounds=1,
+                        lm_options={"digits": digits.tolist(), "moves": "gain", "move_share": 0.0})
+    assert res.obf_to_plain[a] == truth[a] and res.obf_to_plain[b] == truth[b]
+    stages = [e["stage"] for e in res.trace]
+    assert "digits: kept" in stages

@@ -255,7 +255,7 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
                   damping: float = 0.0, sinkhorn_rounds: int = 3, block_rounds: int = 20,
                   anneal_steps: int = 400, anneal_candidates: int = 8_000, anneal_t_start: float = 4.0, seed: int = 0,
                   lm=None, lm_weight: float = 0.15, lm_candidates: int | None = None, lm_bigram: bool = True,
-                  lm_rounds: int = 0, lm_options: dict | None = None, fresh: bool = True,
+                  lm_rounds: int | None = None, lm_options: dict | None = None, fresh: bool = True,
                   extra_starts: Sequence[tuple[str, dict[int, int]]] = (),
                   progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
@@ -265,11 +265,11 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     plaintext types considered (the reference's most frequent, at most ``max_candidates``, at least
     ``candidates_per_id`` per observed id where the reference has them).
     ``lm`` (the public model): with ``lm_bigram`` its next-token distribution after each candidate joins the
-    bigram model (``lm_successors``); with ``lm_rounds`` > 0 the maps the search ends on (and the warm start as
-    given) are read by the model, the one it rates likeliest is kept and refined by ``lm_refine`` (EM with the
-    model's full-context predictions; ``lm_options``: its keywords, e.g. ``sample_tokens``, ``digits``,
-    ``device``). ``extra_starts``: (name, cipher id -> plaintext) maps from other searches (another decipherer)
-    the model also reads and may choose.
+    bigram model (``lm_successors``); with ``lm_rounds`` set (0 or more) the maps the search ends on (and the
+    warm start as given) are read by the model, the one it rates likeliest is kept and refined by ``lm_refine``
+    (``lm_rounds`` rounds of EM with the model's full-context predictions, then the digits as a unit;
+    ``lm_options``: its keywords, e.g. ``sample_tokens``, ``digits``, ``device``). ``extra_starts``: (name,
+    cipher id -> plaintext) maps from other searches (another decipherer) the model also reads and may choose.
     Memory: O(nnz of the bigram model + ids x top_k + anneal_candidates^2), never ids x candidates; the model's
     reading: O(tokens read x its ``top``)."""
     t0 = time.perf_counter()
@@ -367,19 +367,32 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
         if ll > best_ll:
             best, best_ll = m, ll
     trace.append({"stage": "kept", "log_likelihood": round(best_ll, 1)})
-    if lm is not None and lm_rounds > 0:
+    if lm is not None and lm_rounds is not None:
         # the model, not the bigram likelihood, chooses between the maps (the warm start as given among them:
         # a larger volume never returns a map the model rates below the one it started from)
         # every token of the vocabulary becomes a candidate (the model may propose what the reference lacks)
         model = model.extended(vocab_size)
         c2 = len(model.cols)
         ends = [(name, np.where(m < c, m, c2)) for name, m in ends]
+        best = np.where(best < c, best, c2)
         fixed = {r: (v if v < c else c2) for r, v in fixed.items()}
         cols, c = model.cols, c2
         fixed_rows = np.array(sorted(fixed), np.int64)
         # the maps given from outside, read again over every token (nothing they hold is out of reach now)
         ends = [(name, as_rows(init)) if name == "warm start" else (name, m) for name, m in ends]
         ends += [(name, as_rows(given)) for name, given in extra_starts]
+        opts = dict(lm_options or {})
+        decode_beta = opts.pop("decode_beta", None)
+        if decode_beta is not None:
+            # the model decodes the stream itself, the likeliest of the maps so far (by the bigram) as its prior
+            t1 = time.perf_counter()
+            prior = np.where(best < c, cols[np.minimum(best, c - 1)], -1) if best is not None else None
+            dec = lm_decode(lm, stream.rows, n, {r: int(cols[v]) for r, v in fixed.items()}, prior,
+                            beta=float(decode_beta), top=int(opts.pop("decode_top", 64)), holder=int(cols[0]),
+                            device=opts.get("device"))
+            ends.append(("model decoding", as_rows({int(stream.cipher_ids[r]): int(p) for r, p in enumerate(dec)})))
+            record({"stage": "model decoding", "decode_seconds": round(time.perf_counter() - t1, 1)}, ends[-1][1])
+        lm_options = opts
         best, reading = lm_refine(lm, model, stream, left, right, counts, total, ends, fixed, rounds=lm_rounds,
                                   seed=seed, record=record, **(lm_options or {}))
         trace.append({"stage": "kept (model)", "model_ll": round(reading.mean_ll, 4),
@@ -790,10 +803,60 @@ def _window_moves(lm, reading: ModelReading, model: CandidateModel, left, right,
     return out, applied
 
 
+def lm_decode(lm, rows: Sequence[np.ndarray], n_rows: int, fixed: dict[int, int], prior: np.ndarray | None = None,
+              *, beta: float = 2.0, top: int = 64, holder: int = 0, device=None) -> np.ndarray:
+    """Decipher by decoding with the public model: the requests in order, each left to right; an id's plaintext is
+    decided at its first occurrence, as the model's likeliest next token not yet taken by another id (plus ``beta``
+    nats for ``prior[row]``, the map of another search), then held everywhere after (a 1:1 map). Anchors
+    (``fixed``) are known from the start. The model is run once per request, in chunks between the decisions
+    (its cache continued), so the cost is about one pass over the requests. Returns row -> plaintext (-1: none)."""
+    import torch
+
+    from ..runtime.inference import forward_cached
+
+    device = _model_device(lm, device)
+    plain = np.full(n_rows, -1, np.int64)
+    used: set[int] = set()
+    for r, p in fixed.items():
+        plain[r] = p
+        used.add(int(p))
+    cached = hasattr(lm, "config")  # a transformers model continues its cache; an engine re-reads the prefix
+
+    with torch.no_grad():
+        for req in rows:
+            cache, fed, pending, logits = None, [], [], None
+            for t, r in enumerate(req):
+                if plain[r] < 0 and t > 0:
+                    if pending:
+                        if cached:
+                            out, cache = forward_cached(lm, torch.as_tensor([pending], device=device), cache)
+                        else:
+                            ids = torch.as_tensor([fed + pending], device=device)
+                            out = lm(input_ids=ids, attention_mask=torch.ones_like(ids))
+                        logits = out.logits[0, -1].float()
+                        fed += pending
+                        pending = []
+                    logp = torch.log_softmax(logits, dim=-1)
+                    vals, ids = torch.topk(logp, top)
+                    cand = [(float(v), int(i)) for v, i in zip(vals.tolist(), ids.tolist()) if int(i) not in used]
+                    if prior is not None and prior[r] >= 0 and int(prior[r]) not in used:
+                        cand.append((float(logp[int(prior[r])]) + beta, int(prior[r])))
+                    if cand:
+                        plain[r] = max(cand)[1]
+                        used.add(int(plain[r]))
+                elif plain[r] < 0 and prior is not None and prior[r] >= 0 and int(prior[r]) not in used:
+                    plain[r] = prior[r]  # a request's first token: no context to read it by
+                    used.add(int(plain[r]))
+                pending.append(int(plain[r]) if plain[r] >= 0 else holder)
+    return plain
+
+
 def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, counts, total,
-              starts: Sequence[tuple[str, np.ndarray]], fixed: dict[int, int], *, rounds: int = 4, top: int = 48, per_row: int = 24, top_k: int = 12,
+              starts: Sequence[tuple[str, np.ndarray]], fixed: dict[int, int], *, rounds: int = 4, top: int = 48,
+              per_row: int = 24, top_k: int = 12,
               w_left: float = 0.0, w_right: float = 1.0, sample_tokens: int | None = None, cover: int = 3,
-              batch_tokens: int = 2048, device=None, digits: Sequence[int] | None = None, digit_rounds: int = 2,
+              batch_tokens: int = 2048, device=None, digits: Sequence[int] | None = None, digit_rounds: int = 4,
+              digit_occurrences: int = 4,
               posterior: bool = False, move_share: float = 1.0, moves: str = "match", proposals: int = 200,
               context: int = 24, ahead: int = 6, occurrences: int = 2,
               seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
@@ -807,8 +870,6 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
     jointly, kept by the same test. ``starts``: (name, map) pairs; the model reads each and the one it rates
     likeliest is refined (how the fresh and the warm-started maps are chosen between). Returns the map and the
     model's reading of it."""
-    from scipy.optimize import linear_sum_assignment
-
     c = len(model.cols)
     n = len(starts[0][1])
     rng = np.random.default_rng(seed)
@@ -866,60 +927,92 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
                     "kept": bool(ok)}, m)
         if moved == 0 or share < 0.05:
             break
-    if digits is not None and len(digits):
-        dcols = model.index[np.asarray(digits, np.int64)]
-        dcols = dcols[dcols < c]
-        for i in range(digit_rounds):
-            # the ids the model reads as digits: its probability mass on the ten at their occurrences
-            is_d = np.isin(reading.tops, model.cols[dcols])
-            mass = (np.exp(reading.vals) * is_d).sum(axis=1)
-            per = np.bincount(reading.pos_rows, weights=mass, minlength=n) / np.maximum(reading.occurrences, 1)
-            per[fixed_rows] = 0
-            held = np.isin(m, dcols)
-            cand_rows = np.flatnonzero((per > 0.5) | held)
-            cand_rows = cand_rows[np.argsort(-(per[cand_rows] + held[cand_rows]))][:len(dcols)]
-            if len(cand_rows) < 2:
-                break
-            movable = np.zeros(n, bool)
-            movable[cand_rows] = True
-            r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, 10 ** 9, 0, w_left,
-                                        w_right)
-            score = np.full((len(cand_rows), len(dcols)), -1e9)
-            pos_r = {int(r): j for j, r in enumerate(cand_rows)}
-            pos_c = {int(cc): j for j, cc in enumerate(dcols)}
-            for r, cc, v in zip(r_, c_, v_):
-                if int(cc) in pos_c:
-                    score[pos_r[int(r)], pos_c[int(cc)]] = v
-            # rows with no digit candidate score the model's floor at their occurrences
-            score = np.where(score <= -1e9, (counts[cand_rows] / np.maximum(reading.occurrences[cand_rows], 1) *
-                                             reading.floor[cand_rows])[:, None] - 1.0, score)
-            ri, ci = linear_sum_assignment(-score)
-            cand = m.copy()
-            freed = [int(m[r]) for r in cand_rows if m[r] < c and m[r] not in dcols]
-            cand[cand_rows] = c
-            cand[cand_rows[ri]] = dcols[ci]
-            # ids outside the unit that held a digit take the columns the unit's ids left
-            unit = set(cand_rows[ri].tolist())
-            for r in np.flatnonzero(np.isin(cand, dcols)):
-                if int(r) not in unit and (cand[cand_rows[ri]] == cand[r]).any():
-                    cand[r] = freed.pop() if freed else c
-            left_over = [r for r in cand_rows if cand[r] == c]
-            for r in left_over:
-                if freed:
-                    cand[r] = freed.pop()
-            moved = int((cand != m).sum())
-            if moved == 0:
-                break
-            new = read(cand)
-            ok = new.mean_ll > reading.mean_ll
-            if ok:
-                m, reading = cand, new
-            if record:
-                record({"stage": f"digits round {i + 1}", "model_ll": round(new.mean_ll, 4), "moved": moved,
-                        "kept": bool(ok), "digit_ids": len(cand_rows)}, m)
-            if not ok:
-                break
+    if digits is not None and len(digits) and digit_rounds > 0:
+        m, reading = _digits_unit(lm, reading, read, model, rows, m, np.asarray(digits, np.int64), holder,
+                                  rounds=digit_rounds, occurrences=digit_occurrences, context=context,
+                                  ahead=ahead, batch_tokens=batch_tokens, device=device, rng=rng, record=record)
     return m, reading
+
+
+def _digits_unit(lm, reading: ModelReading, read: Callable[[np.ndarray], ModelReading], model: CandidateModel,
+                 rows: Sequence[np.ndarray], m: np.ndarray, digits: np.ndarray, holder: int, *, rounds: int,
+                 occurrences: int, context: int, ahead: int, batch_tokens: int, device, rng: np.random.Generator,
+                 record) -> tuple[np.ndarray, ModelReading]:
+    """The digits as a unit. The ids on digit plaintexts, with the ids the model reads as digits (over half its
+    probability on the ten at their occurrences) on the digits no id holds, are re-assigned among the ten by
+    swaps the model scores on windows (``context`` tokens before each sampled occurrence, ``ahead`` after; every
+    token of the two ids in the window swapped: dates, phone, card and account numbers read as a whole). Each
+    round applies the swaps that raise the windows' likelihood, the largest first, each id once; the result is
+    kept only if the model's likelihood of the whole sample rises."""
+    c = len(model.cols)
+    n = len(m)
+    dcols = model.index[digits]
+    dcols = dcols[dcols < c]
+    start_ll, start = reading.mean_ll, m.copy()
+    is_d = np.isin(reading.tops, model.cols[dcols])
+    mass = (np.exp(reading.vals) * is_d).sum(axis=1)
+    per = np.bincount(reading.pos_rows, weights=mass, minlength=n) / np.maximum(reading.occurrences, 1)
+    held = np.isin(m, dcols)
+    free_cols = [int(x) for x in dcols if not (m == x).any()]
+    extra = [int(r) for r in np.argsort(-per) if per[r] > 0.5 and not held[r]][:len(free_cols)]
+    m = m.copy()
+    for r, col in zip(extra, free_cols):  # the free digits in turn: the swaps below sort them out
+        m[r] = col
+    unit = np.flatnonzero(np.isin(m, dcols))
+    if len(unit) < 2:
+        return start, reading
+    where: dict[int, list[tuple[int, int]]] = {}
+    for i, rr in enumerate(rows):
+        for t in np.flatnonzero(np.isin(rr, unit)):
+            where.setdefault(int(rr[t]), []).append((i, int(t)))
+    sampled = {r: (occ if len(occ) <= occurrences else
+                   [occ[k] for k in rng.choice(len(occ), occurrences, replace=False)]) for r, occ in where.items()}
+    for rnd in range(rounds):
+        plain = [np.where(m < c, model.cols[np.minimum(m, c - 1)], holder)[rr] for rr in rows]
+        pairs = [(int(a), int(b)) for j, a in enumerate(unit) for b in unit[j + 1:]]
+        windows, owner, bases = [], [], {}
+        for j, (a, b) in enumerate(pairs):
+            for r in (a, b):
+                for i, t in sampled.get(r, []):
+                    lo = max(0, t - context)
+                    seg = rows[i][lo:t + ahead + 1]
+                    w = plain[i][lo:t + ahead + 1].copy()
+                    va = model.cols[m[a]] if m[a] < c else holder
+                    vb = model.cols[m[b]] if m[b] < c else holder
+                    w[seg == a], w[seg == b] = vb, va
+                    windows.append(w)
+                    owner.append((j, (i, t)))
+                    bases.setdefault((i, t), plain[i][lo:t + ahead + 1])
+        keys = list(bases)
+        scored = lm_read(lm, windows + [bases[k] for k in keys], top=1, batch_tokens=batch_tokens, device=device)
+        base_ll = {k: float(scored[len(windows) + q][0].sum()) for q, k in enumerate(keys)}
+        gain = np.zeros(len(pairs))
+        for (j, k), (actual, _, _) in zip(owner, scored[:len(windows)]):
+            gain[j] += float(actual.sum()) - base_ll[k]
+        used: set[int] = set()
+        applied = 0
+        for j in np.argsort(-gain):
+            if gain[j] <= 0:
+                break
+            a, b = pairs[j]
+            if a in used or b in used:
+                continue
+            m[a], m[b] = m[b], m[a]
+            used.update((a, b))
+            applied += 1
+        if record:
+            record({"stage": f"digits: swap round {rnd + 1}", "swaps": applied, "digit_ids": len(unit),
+                    "window_tokens": int(sum(len(w) for w in windows))}, m)
+        if not applied:
+            break
+    if np.array_equal(m, start):
+        return start, reading
+    new = read(m)
+    ok = new.mean_ll > start_ll
+    if record:
+        record({"stage": "digits: kept" if ok else "digits: rejected", "model_ll": round(new.mean_ll, 4),
+                "kept": bool(ok)}, m if ok else start)
+    return (m, new) if ok else (start, reading)
 
 
 # --- the registered attacks' engine: the audit's observer of the logs, at a stated traffic volume ----------------
@@ -927,6 +1020,22 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
 # about a day of one user's ordinary use: some 100 requests of 200 tokens, chat template included
 DEFAULT_TRAFFIC_TOKENS = 20_000
 CURVE_POINTS = (1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
+
+
+# rounds of EM with the model's predictions in the registered attack (lm_refine; a round is kept only when the
+# model's likelihood rises). None: on SmolLM2's streams (benchmarks logs_reader, smollm2-em) the rounds were
+# rejected by the model's likelihood or lowered recovery; the model still chooses the map and reads the digits
+LM_EM_ROUNDS = 0
+
+
+def digit_ids(tokenizer) -> list[int]:
+    """The plaintext ids of the ten digits as single tokens (empty where the tokenizer has no such tokens)."""
+    out = []
+    for d in "0123456789":
+        ids = tokenizer(d, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1:
+            out.append(int(ids[0]))
+    return out if len(out) == 10 else []
 
 
 def curve_volumes(traffic_tokens: int) -> list[int]:
@@ -979,7 +1088,10 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     debian-reference) by ``decipher_logs`` at increasing volumes, each warm-started from the last. The attack's
     figure is on the client's prompts at the full volume; ``metrics['curve']`` holds recovery of the prompt
     (user-text) and PII tokens of all the traffic at each volume. ``with_lm``: the public model's successor
-    distributions join the reference's bigram model (``lm_successors``)."""
+    distributions join the reference's bigram model (``lm_successors``), and the model reads whole requests
+    (``lm_refine``): at every volume it chooses among the fresh, the warm-started and the warm start's own map
+    (so a larger volume never returns a map it rates below the smaller one's), and at the full volume it reads
+    the digits as a unit."""
     from .base import AttackResult, score_mapping
     from .stream_decipher import public_reference
 
@@ -996,13 +1108,22 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     lm = target.public_lm() if with_lm else None
     # one forward pass per candidate the model reads: 2,400 at ci, 12,000 from small up
     lm_reads = int(12_000 * min(1.0, 4 * budget.scale))
+    # the model reads whole requests: a sample of this many tokens per reading (1,000 at ci, 5,000 at small,
+    # 20,000 at full), choosing among the maps at every volume; the digits as a unit at the full volume
+    sample = int(20_000 * min(1.0, budget.scale))
+    digits = digit_ids(tok)
     ends = np.cumsum([len(r) for r in observed])
     curve, init, res = [], None, None
     # whole requests up to each volume; a volume that adds no request is not measured twice
     sizes = {int(min(len(observed), np.searchsorted(ends, vol) + 1)) for vol in curve_volumes(int(ends[-1]))}
     for k in sorted(sizes):
+        last = k == max(sizes)
+        options = {"sample_tokens": max(1_000, sample), "digits": digits if last else None,
+                   "digit_rounds": 2 if budget.scale < 0.25 else 4, "digit_occurrences": 2 if budget.scale < 0.25
+                   else 4}
         res = decipher_logs(observed[:k], vocab, reference, pre, post, init=init, anneal_steps=steps, seed=seed,
-                            lm=lm, lm_candidates=lm_reads)
+                            lm=lm, lm_candidates=lm_reads, lm_rounds=LM_EM_ROUNDS if lm is not None else None,
+                            lm_options=options)
         flat = np.concatenate(observed[:k])
         truth = np.concatenate(plain_reqs[:k])
         ok = res.obf_to_plain[flat] == truth
