@@ -381,18 +381,6 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
         # the maps given from outside, read again over every token (nothing they hold is out of reach now)
         ends = [(name, as_rows(init)) if name == "warm start" else (name, m) for name, m in ends]
         ends += [(name, as_rows(given)) for name, given in extra_starts]
-        opts = dict(lm_options or {})
-        decode_beta = opts.pop("decode_beta", None)
-        if decode_beta is not None:
-            # the model decodes the stream itself, the likeliest of the maps so far (by the bigram) as its prior
-            t1 = time.perf_counter()
-            prior = np.where(best < c, cols[np.minimum(best, c - 1)], -1) if best is not None else None
-            dec = lm_decode(lm, stream.rows, n, {r: int(cols[v]) for r, v in fixed.items()}, prior,
-                            beta=float(decode_beta), top=int(opts.pop("decode_top", 64)), holder=int(cols[0]),
-                            device=opts.get("device"))
-            ends.append(("model decoding", as_rows({int(stream.cipher_ids[r]): int(p) for r, p in enumerate(dec)})))
-            record({"stage": "model decoding", "decode_seconds": round(time.perf_counter() - t1, 1)}, ends[-1][1])
-        lm_options = opts
         best, reading = lm_refine(lm, model, stream, left, right, counts, total, ends, fixed, rounds=lm_rounds,
                                   seed=seed, record=record, **(lm_options or {}))
         trace.append({"stage": "kept (model)", "model_ll": round(reading.mean_ll, 4),
@@ -590,19 +578,15 @@ class ModelReading:
 
 
 def match_sparse(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, n: int, n_cols: int,
-                 fixed: dict[int, int], posterior: bool = False) -> np.ndarray:
-    """``match`` over an arbitrary sparse candidate list (row, column, score; one entry per pair). ``posterior``:
-    each row's scores normalised to log-posteriors over its own candidates (as ``match``); otherwise the summed
-    scores themselves are maximised (each a row's share of one log-likelihood; shifted per row to its best, which
-    leaves the optimum unchanged)."""
+                 fixed: dict[int, int]) -> np.ndarray:
+    """``match`` over an arbitrary sparse candidate list (row, column, score; one entry per pair), maximising the
+    summed scores themselves (each a row's share of one log-likelihood; shifted per row to its best, which leaves
+    the optimum unchanged)."""
     order = np.lexsort((cols, rows))
     rows, cols, vals = rows[order], cols[order], vals[order].astype(np.float64)
     starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
     mx = np.maximum.reduceat(vals, starts)
     grp = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(rows)]))
-    if posterior:
-        lse = mx + np.log(np.add.reduceat(np.exp(vals - mx[grp]), starts))
-        return _min_cost(rows, cols, -(vals - lse[grp]) + 1.0, n, n_cols, fixed)
     return _min_cost(rows, cols, mx[grp] - vals + 1.0, n, n_cols, fixed)
 
 
@@ -642,233 +626,22 @@ def _lm_candidates(reading: ModelReading, model: CandidateModel, left, right, co
     return np.concatenate(out_r), np.concatenate(out_c), np.concatenate(out_v)
 
 
-def _pair_scores(reading: ModelReading, model: CandidateModel, left, right, counts, total, m: np.ndarray,
-                 rows: np.ndarray, cols: np.ndarray, w_left: float, w_right: float) -> np.ndarray:
-    """The score of ``_lm_candidates`` for arbitrary (row, column) pairs (neighbours read through ``m``)."""
-    c = len(model.cols)
-    if not len(rows):
-        return np.zeros(0)
-    belief = onehot(m, c)
-    scale = counts / np.maximum(reading.occurrences, 1.0)
-    lmv = scale[rows] * (reading.floor[rows] + np.asarray(reading.bonus[rows, cols]).ravel())
-    ctx_l = left[rows] @ belief
-    ctx_r = right[rows] @ belief
-    lft = np.asarray(ctx_l.multiply(model.lift_t[cols]).sum(axis=1)).ravel()
-    rgt = np.asarray(ctx_r.multiply(model.lift[cols]).sum(axis=1)).ravel()
-    lft = lft + counts[rows] * model.base[cols] - total * model.p[cols]
-    return lmv + w_right * rgt + w_left * lft
-
-
-def _gain_moves(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left, w_right, n_moves
-                ) -> np.ndarray:
-    """Up to ``n_moves`` moves, the largest estimated gains first: a row to its best column, the column's holder
-    to the row's old column (a swap, so the map stays 1:1), each taken only when the swap's summed score rises."""
-    c = len(model.cols)
-    r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left,
-                                w_right)
-    if not len(r_):
-        return m
-    cur = np.full(len(m), -np.inf)
-    is_cur = c_ == m[r_]
-    cur[r_[is_cur]] = v_[is_cur]
-    order = np.lexsort((-v_, r_))
-    r_, c_, v_ = r_[order], c_[order], v_[order]
-    first = np.flatnonzero(np.r_[True, r_[1:] != r_[:-1]])
-    best_r, best_c, best_v = r_[first], c_[first], v_[first]
-    base = np.where(np.isfinite(cur[best_r]), cur[best_r], best_v - 1e3)
-    gain = best_v - base
-    go = (gain > 0) & (best_c != m[best_r])
-    best_r, best_c, gain = best_r[go], best_c[go], gain[go]
-    order = np.argsort(-gain)
-    best_r, best_c, gain = best_r[order], best_c[order], gain[order]
-    holder = np.full(c + 1, -1, np.int64)
-    holder[m[m < c]] = np.flatnonzero(m < c)
-    # the swap's other half, scored in one batch
-    other = holder[best_c]
-    has = other >= 0
-    back = np.zeros(len(best_r))
-    if has.any():
-        o, oc = other[has], m[best_r[has]]
-        ok = oc < c
-        sc_new = np.full(int(has.sum()), -1e3)
-        sc_new[ok] = _pair_scores(reading, model, left, right, counts, total, m, o[ok], oc[ok], w_left, w_right)
-        sc_old = _pair_scores(reading, model, left, right, counts, total, m, o, best_c[has], w_left, w_right)
-        back[has] = sc_new - sc_old
-    out = m.copy()
-    used = np.zeros(len(m), bool)
-    done = 0
-    for j, (r, col) in enumerate(zip(best_r, best_c)):
-        if done >= n_moves:
-            break
-        b = other[j]
-        if used[r] or (b >= 0 and (used[b] or not movable[b])):
-            continue
-        if gain[j] + back[j] <= 0:
-            continue
-        old = out[r]
-        out[r] = col
-        if b >= 0:
-            out[b] = old
-            used[b] = True
-        used[r] = True
-        done += 1
-    return out
-
-
-def _window_moves(lm, reading: ModelReading, model: CandidateModel, left, right, counts, total, m: np.ndarray,
-                  rows: Sequence[np.ndarray], plain: Sequence[np.ndarray], movable: np.ndarray, *, per_row: int,
-                  top_k: int, w_left: float, w_right: float, n_proposals: int, context: int, ahead: int,
-                  occurrences: int, batch_tokens: int, device, rng: np.random.Generator
-                  ) -> tuple[np.ndarray, int]:
-    """Moves scored by the model itself on windows: the ``n_proposals`` moves (a row to another column; the
-    column's holder to the row's old one: a swap) with the largest estimated gains (``_lm_candidates``' scores)
-    are each read by the model at up to ``occurrences`` of each moved row: ``context`` tokens before the row's
-    position and ``ahead`` after it, the log-likelihood of the changed position and of what follows (both sides
-    of the token: what the model predicts there and how it then predicts the next ones), against the same windows
-    as they stand. The moves whose windows gain are applied together, largest first, each row and column once.
-    Returns the new map and the number of moves applied."""
-    c = len(model.cols)
-    r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left,
-                                w_right)
-    if not len(r_):
-        return m, 0
-    cur = np.full(len(m), np.nan)
-    is_cur = c_ == m[r_]
-    cur[r_[is_cur]] = v_[is_cur]
-    gap = v_ - np.where(np.isnan(cur[r_]), v_.min() - 1.0, cur[r_])
-    pick = np.flatnonzero((c_ != m[r_]) & (gap > -np.inf))
-    # the best few alternatives per row, the rows with the largest gains first
-    pick = pick[np.lexsort((-gap[pick], r_[pick]))]
-    first = np.r_[True, r_[pick][1:] != r_[pick][:-1]]
-    rank = np.arange(len(pick)) - np.maximum.accumulate(np.where(first, np.arange(len(pick)), 0))
-    pick = pick[rank < 2]
-    pick = pick[np.argsort(-gap[pick])][:n_proposals]
-    holder = np.full(c + 1, -1, np.int64)
-    holder[m[m < c]] = np.flatnonzero(m < c)
-    where: dict[int, list[tuple[int, int]]] = {}
-    for i, rr in enumerate(rows):
-        for t in range(1, len(rr)):
-            where.setdefault(int(rr[t]), []).append((i, t))
-    windows, owner, sign, starts = [], [], [], []
-
-    def add(j: int, row: int, new_col: int) -> None:
-        occ = where.get(row, [])
-        if len(occ) > occurrences:
-            occ = [occ[k] for k in rng.choice(len(occ), occurrences, replace=False)]
-        for i, t in occ:
-            a = max(0, t - context)
-            w = np.asarray(plain[i][a:t + ahead + 1]).copy()
-            base = w.copy()
-            w[t - a] = model.cols[new_col] if new_col < c else model.cols[0]
-            for arr, sg in ((w, 1.0), (base, -1.0)):
-                windows.append(arr)
-                owner.append(j)
-                sign.append(sg)
-                starts.append(t - a)
-
-    moves = []
-    for j, p in enumerate(pick):
-        r, v = int(r_[p]), int(c_[p])
-        b = int(holder[v]) if v < c else -1
-        if b >= 0 and not movable[b]:
-            continue
-        moves.append((r, v, b, int(m[r])))
-        add(len(moves) - 1, r, v)
-        if b >= 0:
-            add(len(moves) - 1, b, int(m[r]))
-    if not moves:
-        return m, 0
-    read = lm_read(lm, windows, top=1, batch_tokens=batch_tokens, device=device)
-    gain = np.zeros(len(moves))
-    for (actual, _, _), j, sg, s0 in zip(read, owner, sign, starts):
-        gain[j] += sg * float(actual[s0 - 1:].sum())
-    out = m.copy()
-    used_r = np.zeros(len(m), bool)
-    used_c = np.zeros(c + 1, bool)
-    applied = 0
-    for j in np.argsort(-gain):
-        if gain[j] <= 0:
-            break
-        r, v, b, u = moves[j]
-        if used_r[r] or (b >= 0 and used_r[b]) or used_c[v] or (u < c and used_c[u]):
-            continue
-        out[r] = v
-        used_r[r] = True
-        used_c[v] = True
-        if b >= 0:
-            out[b] = u
-            used_r[b] = True
-            used_c[u] = True
-        applied += 1
-    return out, applied
-
-
-def lm_decode(lm, rows: Sequence[np.ndarray], n_rows: int, fixed: dict[int, int], prior: np.ndarray | None = None,
-              *, beta: float = 2.0, top: int = 64, holder: int = 0, device=None) -> np.ndarray:
-    """Decipher by decoding with the public model: the requests in order, each left to right; an id's plaintext is
-    decided at its first occurrence, as the model's likeliest next token not yet taken by another id (plus ``beta``
-    nats for ``prior[row]``, the map of another search), then held everywhere after (a 1:1 map). Anchors
-    (``fixed``) are known from the start. The model is run once per request, in chunks between the decisions
-    (its cache continued), so the cost is about one pass over the requests. Returns row -> plaintext (-1: none)."""
-    import torch
-
-    from ..runtime.inference import forward_cached
-
-    device = _model_device(lm, device)
-    plain = np.full(n_rows, -1, np.int64)
-    used: set[int] = set()
-    for r, p in fixed.items():
-        plain[r] = p
-        used.add(int(p))
-    cached = hasattr(lm, "config")  # a transformers model continues its cache; an engine re-reads the prefix
-
-    with torch.no_grad():
-        for req in rows:
-            cache, fed, pending, logits = None, [], [], None
-            for t, r in enumerate(req):
-                if plain[r] < 0 and t > 0:
-                    if pending:
-                        if cached:
-                            out, cache = forward_cached(lm, torch.as_tensor([pending], device=device), cache)
-                        else:
-                            ids = torch.as_tensor([fed + pending], device=device)
-                            out = lm(input_ids=ids, attention_mask=torch.ones_like(ids))
-                        logits = out.logits[0, -1].float()
-                        fed += pending
-                        pending = []
-                    logp = torch.log_softmax(logits, dim=-1)
-                    vals, ids = torch.topk(logp, top)
-                    cand = [(float(v), int(i)) for v, i in zip(vals.tolist(), ids.tolist()) if int(i) not in used]
-                    if prior is not None and prior[r] >= 0 and int(prior[r]) not in used:
-                        cand.append((float(logp[int(prior[r])]) + beta, int(prior[r])))
-                    if cand:
-                        plain[r] = max(cand)[1]
-                        used.add(int(plain[r]))
-                elif plain[r] < 0 and prior is not None and prior[r] >= 0 and int(prior[r]) not in used:
-                    plain[r] = prior[r]  # a request's first token: no context to read it by
-                    used.add(int(plain[r]))
-                pending.append(int(plain[r]) if plain[r] >= 0 else holder)
-    return plain
-
-
 def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, counts, total,
               starts: Sequence[tuple[str, np.ndarray]], fixed: dict[int, int], *, rounds: int = 4, top: int = 48,
-              per_row: int = 24, top_k: int = 12,
-              w_left: float = 0.0, w_right: float = 1.0, sample_tokens: int | None = None, cover: int = 3,
-              batch_tokens: int = 2048, device=None, digits: Sequence[int] | None = None, digit_rounds: int = 4,
-              digit_occurrences: int = 4,
-              posterior: bool = False, move_share: float = 1.0, moves: str = "match", proposals: int = 200,
-              context: int = 24, ahead: int = 6, occurrences: int = 2,
-              seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
-              ) -> tuple[np.ndarray, ModelReading]:
-    """EM with the public model's full-context predictions. Decipher a sample of the requests with the current map
-    (``cover_sample``: all of them when they fit ``sample_tokens``), let the model read it (``ModelReading``),
-    re-assign every read id by a 1:1 matching on the model's scores plus the bigram's right context
-    (``_lm_candidates``), and keep the new map only when the model's mean log-likelihood of the deciphered sample
-    rises (the observer's key-free yardstick); after a rejected round, half as many ids move. Then the digits as a
-    unit (``digits``: their plaintext ids): the ids the model reads as digits are re-assigned among the ten
-    jointly, kept by the same test. ``starts``: (name, map) pairs; the model reads each and the one it rates
-    likeliest is refined (how the fresh and the warm-started maps are chosen between). Returns the map and the
+              per_row: int = 24, top_k: int = 12, w_left: float = 0.0, w_right: float = 1.0,
+              min_occurrences: int = 1, sample_tokens: int | None = None, cover: int = 3, batch_tokens: int = 2048,
+              device=None, digits: Sequence[int] | None = None, digit_rounds: int = 4, digit_occurrences: int = 4,
+              context: int = 24, ahead: int = 6, seed: int = 0,
+              record: Callable[[dict, np.ndarray], None] | None = None) -> tuple[np.ndarray, ModelReading]:
+    """The public model reading whole requests. ``starts``: (name, map) pairs; the model reads a sample of the
+    requests deciphered by each (``cover_sample``: all of them when they fit ``sample_tokens``; ``ModelReading``)
+    and the map it rates likeliest is kept (how the fresh and the warm-started maps are chosen between: the
+    model's mean log-likelihood per token, the observer's key-free yardstick).
+
+    Then ``rounds`` of EM with its full-context predictions: every id read at least ``min_occurrences`` times is
+    re-assigned by a 1:1 matching on the model's scores plus the bigram's right context (``_lm_candidates``), the
+    new map kept only when the model's likelihood of the sample rises; after a rejected round, half as many ids
+    move. Then the digits as a unit (``digits``: their plaintext ids; ``_digits_unit``). Returns the map and the
     model's reading of it."""
     c = len(model.cols)
     n = len(starts[0][1])
@@ -892,29 +665,17 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
         if reading is None or r0.mean_ll > reading.mean_ll:
             m, reading = start, r0
     fixed_rows = np.array(sorted(fixed), np.int64)
-    share = move_share
+    share = 1.0
     for i in range(rounds):
-        movable = (reading.occurrences > 0) & (rng.random(n) < share)
+        # ids read fewer than ``min_occurrences`` times stay: where nothing binds them, the model's likeliest
+        # reading is fluent text, not the traffic
+        movable = (reading.occurrences >= max(1, min_occurrences)) & (rng.random(n) < share)
         movable[fixed_rows] = False
         keep = {int(r): int(m[r]) for r in np.flatnonzero(~movable)}
         keep.update(fixed)
-        if moves == "window":  # moves the model scores on windows around them
-            movable = (reading.occurrences > 0)
-            movable[fixed_rows] = False
-            plain = [np.where(m < c, model.cols[np.minimum(m, c - 1)], holder)[r] for r in rows]
-            cand, _ = _window_moves(lm, reading, model, left, right, counts, total, m, rows, plain, movable,
-                                    per_row=per_row, top_k=top_k, w_left=w_left, w_right=w_right,
-                                    n_proposals=max(1, int(proposals * share)), context=context, ahead=ahead,
-                                    occurrences=occurrences, batch_tokens=batch_tokens, device=device, rng=rng)
-        elif moves == "gain":  # the largest estimated gains, as swaps; ``share`` of the movable ids at most
-            movable = (reading.occurrences > 0)
-            movable[fixed_rows] = False
-            cand = _gain_moves(reading, model, left, right, counts, total, m, movable, per_row, top_k, w_left,
-                               w_right, max(1, int(share * movable.sum())))
-        else:
-            r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, per_row, top_k,
-                                        w_left, w_right)
-            cand = match_sparse(r_, c_, v_, n, c, keep, posterior)
+        r_, c_, v_ = _lm_candidates(reading, model, left, right, counts, total, m, movable, per_row, top_k,
+                                    w_left, w_right)
+        cand = match_sparse(r_, c_, v_, n, c, keep)
         moved = int((cand != m).sum())
         new = read(cand)
         ok = new.mean_ll > reading.mean_ll
@@ -1119,7 +880,7 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     for k in sorted(sizes):
         last = k == max(sizes)
         options = {"sample_tokens": max(1_000, sample), "digits": digits if last else None,
-                   "digit_rounds": 2 if budget.scale < 0.25 else 4, "digit_occurrences": 2 if budget.scale < 0.25
+                   "digit_rounds": 1 if budget.scale < 0.25 else 4, "digit_occurrences": 2 if budget.scale < 0.25
                    else 4}
         res = decipher_logs(observed[:k], vocab, reference, pre, post, init=init, anneal_steps=steps, seed=seed,
                             lm=lm, lm_candidates=lm_reads, lm_rounds=LM_EM_ROUNDS if lm is not None else None,
