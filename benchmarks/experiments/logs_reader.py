@@ -295,6 +295,10 @@ CONFIGS = {
         volumes=(), old_at=(), controls_at=(), em_at=(v,) if v == 100_000 else (1_000, 10_000), em_from="smollm2",
         stream_tokens=1_000_000, em_rounds=2 if v < 100_000 else 0,
         em_options=(("sample_tokens", 5_000), ("digit_rounds", 4))) for v in (1_000, 100_000)},
+    # the generic reference at 10^4 on its own (run beside smollm2-em, which stops after public+domain at 10^4)
+    "smollm2-em-1e4-public": Settings(volumes=(), references=("public",), old_at=(), controls_at=(),
+                                      em_at=(10_000,), em_from="smollm2", stream_tokens=1_000_000, em_rounds=2,
+                                      em_options=(("sample_tokens", 5_000), ("digit_rounds", 4))),
     # a third key: the bigram search and the model's refinement on the same stream
     "smollm2-seed2-em": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), em_at=(1_000, 10_000), seed=2,
                                  em_rounds=2, em_options=(("sample_tokens", 5_000), ("digit_rounds", 4))),
