@@ -68,6 +68,16 @@ class AttackTarget:
         self.threads = threads
         self._engines: tuple | None = None
         self._elsewhere: dict[str, AttackTarget] = {}
+        self._memo: dict[tuple, Any] = {}
+
+    def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per ``key`` while the models are held: what several attacks of one run derive from
+        the same weights or forward passes (Attn-IA's leverages, VMA's plaintext signatures, ISA's state
+        codebook). ``key`` names the quantity and every setting it depends on; ``release(models=True)`` drops
+        them with the models."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def on(self, device: str | torch.device) -> "AttackTarget":
         """The same deployment with its models on ``device`` (this target itself when it is already there; the
@@ -126,6 +136,7 @@ class AttackTarget:
                 self._engines = None  # they wrap the models
             for name in ("plain_model", "obf_model"):
                 self.__dict__.pop(name, None)
+            self._memo.clear()
         for other in self._elsewhere.values():
             other.release(models, engines)
         import gc
@@ -276,7 +287,7 @@ def register(name: str, on_device: bool = False, uses_engine: bool = False) -> C
 
     def deco(fn: AttackFn) -> AttackFn:
         def timed(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             reset_peak_rss()
             torch.set_num_threads(max(1, budget.threads))
             where = target if on_device else target.on("cpu")
@@ -288,6 +299,7 @@ def register(name: str, on_device: bool = False, uses_engine: bool = False) -> C
                 res.budget.setdefault("engine", {"engine": "torch", "engine_choice": where.engine,
                                                  "engine_why": NO_ENGINE})
             res.budget["peak_rss_gib"] = peak_rss_gib()
+            res.budget["cpu_seconds"] = round(time.process_time() - c0, 1)  # every thread of this process
             held = where.obfuscated_weights()
             if held is not None:
                 res.budget["obfuscated_weights"] = held

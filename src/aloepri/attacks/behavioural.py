@@ -263,10 +263,12 @@ def match_profiles(plain_prof: Tensor, obf_prof: Tensor, pairs: Pairs, rank: int
         val, idx = sim.topk(k, dim=1)
         topk[queries[s:s + chunk]] = idx.cpu().numpy()
         topk_score[queries[s:s + chunk]] = val.cpu().numpy()
-        cmax, carg = sim.max(dim=0)
-        better = cmax > col_best
+        # each plaintext column's best query so far: the maxima first (amax: 15x faster than max(dim=0) on a
+        # (chunk, vocab) block), the arg-max only over the columns this chunk improves (fewer at every chunk)
+        cmax = sim.amax(dim=0)
+        better = torch.nonzero(cmax > col_best).flatten()
         col_best[better] = cmax[better]
-        col_arg[better] = q[carg[better]]
+        col_arg[better] = q[sim.argmax(dim=0)[better] if 2 * len(better) > v else sim[:, better].argmax(dim=0)]
     best = topk[:, 0].copy()
     mutual = np.zeros(v, dtype=bool)
     qb = best[queries]
@@ -553,7 +555,8 @@ def run_behavioural(target: AttackTarget, data: PrivateData, budget: Budget, see
 def vma_confident_pairs(target: AttackTarget, vma_budget: str, seed: int, sample: int) -> list[tuple[int, int]]:
     """VMA (sources of ``vma_budget``) on a seeded sample of obfuscated ids; pairs where every voting weight
     source agrees, kept when the plaintext side is unique (weights only, no key)."""
-    from .vma import ALL_PRODUCTS, VMA_BUDGETS, signatures, spread_layers, vma_sources, vote_match, num_layers
+    from .vma import (ALL_PRODUCTS, VMA_BUDGETS, candidate_signatures, signatures, spread_layers, vma_sources,
+                      vote_match, num_layers)
 
     cfg = VMA_BUDGETS[vma_budget]
     plain, obf = target.plain_model, target.obf_model
@@ -563,7 +566,7 @@ def vma_confident_pairs(target: AttackTarget, vma_budget: str, seed: int, sample
     layers, qk = spread_layers(L, cfg["mlp_layers"]), spread_layers(L, cfg["qk_layers"])
     q = np.sort(np.random.default_rng(seed + 1).choice(v, size=min(sample, v), replace=False))
     sp, so = vma_sources(plain, prods, layers, qk), vma_sources(obf, prods, layers, qk)
-    cand = [signatures(s, None, cfg["sketch"]) for s in sp]
+    cand = [candidate_signatures(target, s, cfg["sketch"]) for s in sp]
     qry = [signatures(s, torch.from_numpy(q), cfg["sketch"]) for s in so]  # rows follow the weights' device
     fused, per_source, _, keep = vote_match(qry, cand)
     unanimous = (per_source[keep] == fused[None, :]).all(axis=0) if len(keep) > 1 else np.ones(len(q), bool)

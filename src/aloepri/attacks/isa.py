@@ -473,7 +473,9 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
             if codebook is None:  # one table per attack: the public model's own states, no victim data
                 anchor = next((t for t in (plain.config.bos_token_id, plain.config.eos_token_id, 0)
                                if isinstance(t, int)), 0)
-                codebook = state_codebook(plain, cfg.layer, anchor)
+                # isa_hidden and isa_anchor share it (AttackTarget.memo)
+                codebook = target.memo(("state_codebook", cfg.layer, anchor),
+                                       lambda: state_codebook(plain, cfg.layer, anchor))
             cands = codebook_candidates(h_obs, codebook, cfg.refine_k)
 
         def batch_loss(x: torch.Tensor, tgt=tgt, h_obs=h_obs, scale=scale) -> torch.Tensor:
@@ -570,12 +572,14 @@ def fit_state_map(plain_model, obf_model, anchors: Sequence[tuple[int, int]], cf
 def isa_anchor_attack(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
                       cfg: ISAConfig | None = None, map_cfg: AnchorMapConfig | None = None,
                       anchors: Sequence[tuple[int, int]] | None = None,
-                      template: tuple[Sequence[int], Sequence[int]] | None = None) -> AttackResult:
+                      template: tuple[Sequence[int], Sequence[int]] | None = None,
+                      vocab_sample: int | None = None) -> AttackResult:
     """Hidden-state ISA with a real alignment: fit ``fit_state_map`` on the anchors the server gets for free
     (chat-template positions of the observed requests, published special ids: ``behavioural.attacker_view``; or
     ``anchors`` given), carry each observed state into plaintext space, then invert it like the unprotected model
     (codebook proposal + beam + coordinate descent, direct matching). Also reports the whole-vocabulary recovery
-    of the same map applied to the obfuscated embedding table (nearest plaintext embedding row by cosine)."""
+    of the same map applied to the obfuscated embedding table (nearest plaintext embedding row by cosine), over
+    every obfuscated id, or over ``vocab_sample`` of them drawn uniformly (seeded; the size is reported)."""
     from .behavioural import attacker_view
 
     cfg = cfg or ISAConfig.for_budget(budget)
@@ -603,14 +607,19 @@ def isa_anchor_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
                               input_ids=torch.tensor([data.plain_ids[i][: cfg.max_len]], device=dev))[0].double()
             errs.append(float(((to_plain(ho).double() - hp).norm(dim=-1) / hp.norm(dim=-1).clamp_min(1e-12)).mean()))
         plain_emb = F.normalize(ModelModules(target.plain_model).embed.weight.float(), dim=-1)
-        obf_emb = ModelModules(target.obf_model).embed.weight.double()
-        # the map in float64, the vocabulary x vocabulary cosines in float32 (half the time of float64: the
-        # largest step of the attack at budget ci); 1024 rows at a time
+        obf_emb = ModelModules(target.obf_model).embed.weight
+        v = obf_emb.shape[0]
+        rows = torch.arange(v) if vocab_sample is None or vocab_sample >= v else \
+            torch.from_numpy(np.sort(np.random.default_rng(seed + 2).choice(v, size=vocab_sample, replace=False)))
+        obf_emb = obf_emb[rows.to(obf_emb.device)].double()
+        # the map in float64, the cosines against the whole plaintext vocabulary in float32 (half the time of
+        # float64); 1024 rows at a time. Over every id this is the largest step of the attack at budget ci
         guess = torch.cat([(F.normalize(obf_emb[i:i + 1024] @ W, dim=-1).float() @ plain_emb.T).argmax(-1)
                            for i in range(0, obf_emb.shape[0], 1024)]).cpu()
-    truth = torch.as_tensor(np.argsort(target.true_permutation()))  # obfuscated id -> plaintext id
+    truth = torch.as_tensor(np.argsort(target.true_permutation()))[rows]  # obfuscated id -> plaintext id
     metrics = {**res.metrics, "map_relative_error_on_victim_states": float(np.mean(errs)),
-               "vocab_recovery_from_mapped_embedding": float((guess == truth).double().mean())}
+               "vocab_recovery_from_mapped_embedding": float((guess == truth).double().mean()),
+               "vocab_recovery_from_mapped_embedding_ids": int(len(rows))}
     return AttackResult(
         "isa_anchor", res.ttrsr, res.piirsr, metrics, budget={**res.budget, "map": map_info},
         uses=f"{map_info['anchor_pairs']} anchor pairs (chat-template positions of the observed requests and "
@@ -689,6 +698,7 @@ def isa_attention_attack(target: AttackTarget, data: PrivateData, budget: Budget
 
 
 CI_FIRST_POOL = 4096  # isa_attention at budget ci: token 0 of the first pair among the public model's likeliest
+CI_VOCAB_SAMPLE = 4096  # isa_anchor at budget ci: obfuscated ids its vocabulary diagnostic maps (all at the others)
 
 
 @register("isa_hidden", on_device=True)
@@ -700,7 +710,8 @@ def isa_hidden(target: AttackTarget, data: PrivateData, budget: Budget, seed: in
 @register("isa_anchor", on_device=True)
 def isa_anchor(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     """ISA on hidden states through a linear map fitted on free anchor pairs (template, special ids)."""
-    return isa_anchor_attack(target, data, budget, seed)
+    # ci: the mapped embedding table's recovery (a diagnostic, not the prompts') on 4,096 ids drawn uniformly
+    return isa_anchor_attack(target, data, budget, seed, vocab_sample=CI_VOCAB_SAMPLE if budget.name == "ci" else None)
 
 
 @register("isa_attention")

@@ -34,6 +34,21 @@ def cosine_similarity(hypotheses: Sequence[str], references: Sequence[str]) -> f
         model = _sentence_model()
     except ModuleNotFoundError:
         return None
-    a = model.encode(list(hypotheses), normalize_embeddings=True, convert_to_numpy=True)
-    b = model.encode(list(references), normalize_embeddings=True, convert_to_numpy=True)
+    a, b = _embeddings(model, list(hypotheses)), _embeddings(model, list(references))
     return float(np.mean(np.sum(a * b, axis=1)))
+
+
+_EMBEDDED: dict[str, np.ndarray] = {}  # text -> its unit embedding, kept across calls (bounded below)
+_EMBEDDED_MAX = 20_000
+
+
+def _embeddings(model, texts: list[str]) -> np.ndarray:
+    """Unit sentence embeddings of ``texts``, each text encoded once per process: an attack suite scores the same
+    reference prompts after every attack, and a recovered prompt is often the reference itself. (Measured: a
+    text's embedding is the same, bit for bit, encoded alone or in a batch.)"""
+    missing = list(dict.fromkeys(t for t in texts if t not in _EMBEDDED))
+    if missing:
+        if len(_EMBEDDED) + len(missing) > _EMBEDDED_MAX:
+            _EMBEDDED.clear()
+        _EMBEDDED.update(zip(missing, model.encode(missing, normalize_embeddings=True, convert_to_numpy=True)))
+    return np.stack([_EMBEDDED[t] for t in texts]) if texts else np.zeros((0, 0), dtype=np.float32)

@@ -153,6 +153,13 @@ def signatures(src: Source, rows: Tensor | None, sketch: int, chunk: int = 1024)
     return out * (right.shape[1] / len(pos)) ** 0.5
 
 
+def candidate_signatures(target: AttackTarget, src: Source, sketch: int) -> Tensor:
+    """``signatures`` of every row of a plaintext source, computed once per target (``AttackTarget.memo``): VMA
+    and the composed behavioural attack match against the same ones."""
+    return target.memo(("vma_signatures", "plain", src.name, src.layer, sketch, str(src.left.device)),
+                       lambda: signatures(src, None, sketch))
+
+
 def vma_sources(model, products: tuple[str, ...], layers: list[int], qk_layers: list[int]) -> list[Source]:
     """The paper's weight combinations for one model (plain or obfuscated), in a fixed order."""
     emb = embed_matrix(model)
@@ -304,7 +311,7 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
     cand, qry = [], []
     for j, (sp, so) in enumerate(zip(srcs_p, srcs_o)):
         stage(f"weight signatures {j + 1}/{len(srcs_p)}")
-        cand.append(signatures(sp, None, cfg["sketch"]))
+        cand.append(candidate_signatures(target, sp, cfg["sketch"]))
         qry.append(signatures(so, q_t, cfg["sketch"]))
         if log:
             log(f"VMA source {sp.name} layer {sp.layer} ready")
