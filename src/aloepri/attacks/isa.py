@@ -423,17 +423,48 @@ def _beam_search(emb: torch.Tensor, cands: torch.Tensor, prefix_loss: Callable[[
                  beam: int) -> torch.Tensor:
     """Left to right over each position's candidates, keeping the ``beam`` best prefixes by the loss of the prefix
     (causal models: a prefix's states/attention are the observed prefix's). The first two positions are searched
-    jointly (the first one alone is unconstrained)."""
+    jointly (the first one alone is unconstrained).
+
+    When ``prefix_loss`` is a mean of per-position errors and carries ``position_error(prefixes (B, t, d),
+    extensions (B, k, d)) -> (B, k)`` (the error at position t of each prefix followed by each extension), a
+    trial's loss is its beam's error sum plus that one error: the beams run once per step and each of their k
+    extensions costs one position (``extension_states``), not the whole prefix again."""
     k = cands.shape[1]
     beams = torch.stack([cands[0].repeat_interleave(k), cands[1].repeat(k)], 1)
     losses = _chunked(prefix_loss, emb[beams])
     order = torch.argsort(losses)[:beam]
-    beams = beams[order]
+    beams, losses = beams[order], losses[order]
+    position_error = getattr(prefix_loss, "position_error", None)
     for t in range(2, cands.shape[0]):
         trial = torch.cat([beams.repeat_interleave(k, 0), cands[t].repeat(len(beams)).unsqueeze(1)], 1)
-        losses = _chunked(prefix_loss, emb[trial])
-        beams = trial[torch.argsort(losses)[:beam]]
+        if position_error is None:
+            losses = _chunked(prefix_loss, emb[trial])
+        else:
+            err = position_error(emb[beams], emb[cands[t]].unsqueeze(0).expand(len(beams), -1, -1))
+            losses = ((losses[:, None] * t + err) / (t + 1)).reshape(-1)
+        order = torch.argsort(losses)[:beam]
+        beams, losses = trial[order], losses[order]
     return beams[0].clone()
+
+
+def extension_states(model, layer: int, prefixes: torch.Tensor, extensions: torch.Tensor) -> torch.Tensor:
+    """States after ``layer`` (>= 1) decoder layers at the position that follows each prefix, for each of its
+    extensions: prefixes (B, t, d) and extensions (B, k, d) input embeddings -> (B, k, D). The prefixes run once
+    and fill a KV cache that every extension reuses (a causal layer's keys and values at a position do not depend
+    on what follows it): the same states as running each whole sequence, up to float rounding."""
+    from ..runtime.inference import _cache_argument
+    from ..runtime.probe import first_layers, forward_hooks, module_output
+
+    b, k = extensions.shape[:2]
+    captured: dict[str, torch.Tensor] = {}
+    with first_layers(model, layer) as decoder:
+        name = _cache_argument(type(decoder))  # past_key_values, or cache (transformers 5.2x)
+        with forward_hooks([("h", decoder.layers[layer - 1])],
+                           lambda _name, out: captured.__setitem__("h", module_output(out))):
+            cache = getattr(decoder(inputs_embeds=prefixes, use_cache=True), name)
+            cache.batch_repeat_interleave(k)
+            decoder(inputs_embeds=extensions.reshape(b * k, 1, -1), use_cache=True, **{name: cache})
+    return captured["h"][:, -1].reshape(b, k, -1)
 
 
 def _prompts(data: PrivateData, observed: list[list[int]], cfg: ISAConfig) -> list[int]:
@@ -494,6 +525,14 @@ def isa_hidden_attack(target: AttackTarget, data: PrivateData, budget: Budget, s
                         ).sum(-1).mean(-1)
             return hidden_loss(layer_states(plain, cfg.layer, inputs_embeds=x).float(),
                                hidden_invariants(h_obs[:t], cfg.center), cfg.center)
+
+        if match == "direct" and cfg.layer >= 1:  # a mean of per-position errors: the beam extends it (_beam_search)
+            def position_error(prefixes: torch.Tensor, ext: torch.Tensor, h_obs=h_obs, scale=scale) -> torch.Tensor:
+                t = prefixes.shape[1]
+                h = extension_states(plain, cfg.layer, prefixes, ext).float()
+                return (((h - h_obs[t]) / scale[t]) ** 2).sum(-1)
+
+            prefix_loss.position_error = position_error
 
         seq, info = _relax_and_refine(plain, obs_ids.shape[1], batch_loss, cfg, gen,
                                       prefix_loss=prefix_loss if cfg.greedy else None, candidates=cands)
