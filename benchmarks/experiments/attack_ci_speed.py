@@ -6,6 +6,12 @@ fresh child process (benchmarks.lib.command_child, the real CLI), so both see th
 Entries ``ATTACK/before`` and ``ATTACK/after``: the attack's own seconds (from its report, models already loaded),
 the child's wall and CPU seconds, TTRSR / PIIRSR / vocabulary recovery, the budget the attack recorded and the
 load average. ``suite/after``: ``attack all --budget ci`` with the current code, every attack's seconds.
+
+``commands`` (configs ``commands-attack``, ``commands-audit``): the two whole commands the CPU target is set on,
+``aloepri attack all --budget ci`` and ``aloepri audit --budget ci --all-attacks``, each with the baseline code and
+the current code (``COMMAND/before``, ``COMMAND/after``), one after the other: the child's wall seconds, CPU
+seconds (user + system, every thread) and peak RSS, and per attack its seconds, its CPU seconds (recorded by the
+current code only), TTRSR and PIIRSR from the command's own report.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ class Settings:
     seed: int = 20261127
     prompts: int = 50
     threads: int = 1
+    commands: tuple[str, ...] = ()  # whole commands timed before / after: "attack_all", "audit_all"
 
 
 def _baseline_src(commit: str, into: Path) -> Path:
@@ -64,6 +71,60 @@ def _result(r: dict) -> dict:
             "budget": r.get("budget"), "error": r.get("error")}
 
 
+def _command_argv(command: str, s: Settings, model_dir: Path, key: Path, work: Path) -> list[str]:
+    common = ["--key", str(key), "--budget", "ci", "--quiet", "--threads", str(s.threads)]
+    if command == "attack_all":
+        return ["attack", "all", "--plain", s.model, "--obfuscated", str(model_dir), *common, "--prompts",
+                str(s.prompts), "--report-dir", str(work / "report")]
+    if command == "audit_all":  # the audit's own prompt count at ci
+        return ["audit", s.model, "--obfuscated", str(model_dir), *common, "--all-attacks", "--out",
+                str(work / "report")]
+    raise ValueError(f"unknown command {command!r}")
+
+
+def _command_attacks(command: str, work: Path) -> dict[str, dict]:
+    """Per attack: seconds, CPU seconds (None where the code did not record them), TTRSR, PIIRSR, status."""
+    if command == "attack_all":
+        rows = json.loads((work / "report" / "attack_report.json").read_text())["results"]
+        return {r["attack"]: {"seconds": round(r["seconds"], 1), "cpu_seconds": r["budget"].get("cpu_seconds"),
+                              "ttrsr": r.get("ttrsr"), "piirsr": r.get("piirsr"),
+                              "error": (r.get("metrics") or {}).get("error")} for r in rows}
+    rep = json.loads((work / "report" / "report.json").read_text())
+    attacks = rep["attacks"]
+    rows = attacks.values() if isinstance(attacks, dict) else attacks
+    out = {r["name"]: {"seconds": r.get("seconds"), "cpu_seconds": (r.get("attack_budget") or {}).get("cpu_seconds"),
+                       "ttrsr": r.get("ttrsr"), "piirsr": r.get("piirsr"), "status": r.get("status"),
+                       "error": r.get("error")} for r in rows}
+    fid = rep.get("fidelity") or {}
+    if isinstance(fid, dict) and fid.get("seconds") is not None:
+        out["(fidelity)"] = {"seconds": fid.get("seconds"), "cpu_seconds": None, "ttrsr": None, "piirsr": None}
+    return out
+
+
+def _run_commands(s: Settings, store: ResultStore, target, srcs: dict[str, Path], tmp: str) -> None:
+    for command in s.commands:
+        for version in s.versions:
+            key = f"{command}/{version}"
+            if store.has(key):
+                continue
+            with tempfile.TemporaryDirectory(prefix="run-", dir=tmp) as w:
+                work = Path(w)
+                argv = _command_argv(command, s, target.model_dir, target.key_path, work)
+                load_before = [round(x, 2) for x in os.getloadavg()]
+                child, wall = _child(argv, srcs[version], work)
+                attacks = _command_attacks(command, work)
+            entry = {"command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv),
+                     "code": s.baseline if version == "before" else "current", "wall_seconds": round(wall, 1),
+                     "cpu_seconds": child["cpu_seconds"], "peak_rss_mib": child["peak_rss_mib"],
+                     "load_seconds": child["load_seconds"], "attacks": attacks,
+                     "load_average_before": load_before,
+                     "load_average_after": [round(x, 2) for x in os.getloadavg()], "preset": s.preset}
+            store.put(key, entry)
+            print(f"{key}: CPU {entry['cpu_seconds']} s, wall {entry['wall_seconds']} s, peak RSS "
+                  f"{entry['peak_rss_mib']} MiB, load average {load_before[0]} -> {entry['load_average_after'][0]}",
+                  flush=True)
+
+
 def run(s: Settings, store: ResultStore) -> None:
     import aloepri
 
@@ -72,6 +133,9 @@ def run(s: Settings, store: ResultStore) -> None:
     target = obfuscated(model_path(s.model), aloepri.resolve_params(s.preset), s.seed)
     with tempfile.TemporaryDirectory(prefix="attack-ci-speed-") as tmp:
         srcs = {"before": _baseline_src(s.baseline, Path(tmp)), "after": REPO / "src"}
+        if s.commands:
+            _run_commands(s, store, target, srcs, tmp)
+            return
         jobs = [(a, v) for a in s.attacks for v in s.versions] + ([("all", "after")] if s.suite else [])
         for attack, version in jobs:
             key = f"{'suite' if attack == 'all' else attack}/{version}"
@@ -104,8 +168,32 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _commands_report(e: dict) -> str:
+    rows = []
+    for command in ("attack_all", "audit_all"):
+        b, a = e.get(f"{command}/before"), e.get(f"{command}/after")
+        if a is None:
+            continue
+        rows += [f"`{a['command']}`", "",
+                 "| code | CPU s | wall s | peak RSS MiB | load avg (before run) |", "|---|---|---|---|---|"]
+        rows += [f"| {v} ({x['code'][:7]}) | {x['cpu_seconds']:.0f} | {x['wall_seconds']:.0f} | {x['peak_rss_mib']} | "
+                 f"{x['load_average_before'][0]} |" for v, x in (("before", b), ("after", a)) if x is not None]
+        rows += ["", "| attack | s before / after | CPU s after | TTRSR % before / after | PIIRSR % before / after |",
+                 "|---|---|---|---|---|"]
+        for name, r in sorted(a["attacks"].items(), key=lambda kv: -(kv[1].get("seconds") or 0)):
+            p = (b or {}).get("attacks", {}).get(name, {})
+            cpu = "-" if r.get("cpu_seconds") is None else f"{r['cpu_seconds']:.0f}"
+            rows.append(f"| {name} | {p.get('seconds', '-')} / {r.get('seconds')} | {cpu} | "
+                        f"{_pct(p.get('ttrsr'))} / {_pct(r.get('ttrsr'))} | {_pct(p.get('piirsr'))} / "
+                        f"{_pct(r.get('piirsr'))} |")
+        rows.append("")
+    return "\n".join(rows).strip()
+
+
 def report(store: ResultStore) -> str:
     e = store.entries()
+    if any(k.startswith(("attack_all/", "audit_all/")) for k in e):
+        return _commands_report(e)
     rows = ["| attack | before s | after s | after / before | child CPU s before / after | TTRSR % before / after | "
             "PIIRSR % before / after | load avg (before run, after run) |", "|---|---|---|---|---|---|---|---|"]
     for key in sorted(k for k in e if k.endswith("/before")):
@@ -134,6 +222,11 @@ SUMMARY = ("per-attack seconds and TTRSR of `attack NAME --budget ci` on SmolLM2
 CONFIGS = {"isa_attention": Settings(),
            "anchor-ridge": Settings(attacks=("isa_anchor", "ridge-k1000", "freq-ridge")),
            "suite": Settings(attacks=(), suite=True),
+           # the code before the shared per-target results, the KV-cached ISA beam and the ci samples
+           "commands-attack": Settings(attacks=(), commands=("attack_all",),
+                                       baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
+           "commands-audit": Settings(attacks=(), commands=("audit_all",),
+                                      baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
            "smoke": Settings(attacks=("gate-ia",))}
 DOCS = ("README.md", "docs/performance.md")
 NOTES = "a shared 2-core machine: the load average is recorded; before and after run back to back per attack"
