@@ -783,22 +783,6 @@ DEFAULT_TRAFFIC_TOKENS = 20_000
 CURVE_POINTS = (1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
 
 
-# rounds of EM with the model's predictions in the registered attack (lm_refine; a round is kept only when the
-# model's likelihood rises). None: on SmolLM2's streams (benchmarks logs_reader, smollm2-em) the rounds were
-# rejected by the model's likelihood or lowered recovery; the model still chooses the map and reads the digits
-LM_EM_ROUNDS = 0
-
-
-def digit_ids(tokenizer) -> list[int]:
-    """The plaintext ids of the ten digits as single tokens (empty where the tokenizer has no such tokens)."""
-    out = []
-    for d in "0123456789":
-        ids = tokenizer(d, add_special_tokens=False)["input_ids"]
-        if len(ids) == 1:
-            out.append(int(ids[0]))
-    return out if len(out) == 10 else []
-
-
 def curve_volumes(traffic_tokens: int) -> list[int]:
     """The volumes the curve is measured at: the fixed points below ``traffic_tokens``, then it."""
     return [v for v in CURVE_POINTS if v < traffic_tokens] + [traffic_tokens]
@@ -849,10 +833,7 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     debian-reference) by ``decipher_logs`` at increasing volumes, each warm-started from the last. The attack's
     figure is on the client's prompts at the full volume; ``metrics['curve']`` holds recovery of the prompt
     (user-text) and PII tokens of all the traffic at each volume. ``with_lm``: the public model's successor
-    distributions join the reference's bigram model (``lm_successors``), and the model reads whole requests
-    (``lm_refine``): at every volume it chooses among the fresh, the warm-started and the warm start's own map
-    (so a larger volume never returns a map it rates below the smaller one's), and at the full volume it reads
-    the digits as a unit."""
+    distributions join the reference's bigram model (``lm_successors``)."""
     from .base import AttackResult, score_mapping
     from .stream_decipher import public_reference
 
@@ -869,22 +850,15 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     lm = target.public_lm() if with_lm else None
     # one forward pass per candidate the model reads: 2,400 at ci, 12,000 from small up
     lm_reads = int(12_000 * min(1.0, 4 * budget.scale))
-    # the model reads whole requests: a sample of this many tokens per reading (1,000 at ci, 5,000 at small,
-    # 20,000 at full), choosing among the maps at every volume; the digits as a unit at the full volume
-    sample = int(20_000 * min(1.0, budget.scale))
-    digits = digit_ids(tok)
     ends = np.cumsum([len(r) for r in observed])
     curve, init, res = [], None, None
     # whole requests up to each volume; a volume that adds no request is not measured twice
     sizes = {int(min(len(observed), np.searchsorted(ends, vol) + 1)) for vol in curve_volumes(int(ends[-1]))}
     for k in sorted(sizes):
-        last = k == max(sizes)
-        options = {"sample_tokens": max(1_000, sample), "digits": digits if last else None,
-                   "digit_rounds": 1 if budget.scale < 0.25 else 4, "digit_occurrences": 2 if budget.scale < 0.25
-                   else 4}
+        # the model reading whole requests (lm_rounds: lm_refine) is not used here: measured side by side at ci
+        # on SmolLM2, its choice among the maps read less of the prompts than the bigram's, in twice the time
         res = decipher_logs(observed[:k], vocab, reference, pre, post, init=init, anneal_steps=steps, seed=seed,
-                            lm=lm, lm_candidates=lm_reads, lm_rounds=LM_EM_ROUNDS if lm is not None else None,
-                            lm_options=options)
+                            lm=lm, lm_candidates=lm_reads)
         flat = np.concatenate(observed[:k])
         truth = np.concatenate(plain_reqs[:k])
         ok = res.obf_to_plain[flat] == truth
