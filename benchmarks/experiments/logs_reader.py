@@ -14,7 +14,11 @@ Methods: ``log-reader`` (the new decipherer; volumes run in increasing order, ea
 store holds for the previous volume, the likelier of the warm and the fresh map kept: an observer who reads the
 logs as they grow; from 10^6 tokens on only the warm start is refined, with a shorter search, for time);
 ``log-reader-lm`` (the same observer holding the public model: its next-token distribution after each candidate
-token joins the reference's bigram model, ``lm_successors``); ``stream-decipher`` (the earlier ``decipher_stream``,
+token joins the reference's bigram model, ``lm_successors``); ``log-reader-em`` (the observer with the public model
+reading whole requests, ``lm_refine``: the maps of the bigram search and of ``decipher_stream`` are deciphered,
+the model reads them and keeps the likeliest, then EM rounds with its full-context predictions and the digits as a
+unit, each kept only where the model's likelihood rises; ``parts`` holds the figures after each part);
+``stream-decipher`` (the earlier ``decipher_stream``,
 measured in the same run where it fits); controls at one volume: ``control/victim-text`` (positive: the traffic's
 own plaintext as reference) and ``control/random-mapping`` (negative: a random 1:1 guess).
 
@@ -232,12 +236,15 @@ def _em_entry(s: Settings, store: ResultStore, ref_name: str, volume: int, obser
         parts["decipher_stream"] = {**old_figures,
                                     "model_ll": next(e["model_ll"] for e in reads if "decipher_stream" in e["stage"])}
     parts["the model chooses the start"] = part(chosen)
-    parts["+ EM with the model"] = part(em[-1] if em else chosen)
+    if s.em_rounds:
+        parts["+ EM with the model"] = part(em[-1] if em else chosen)
     parts["+ digits as a unit"] = part(dg[-1] if dg else (em[-1] if em else chosen))
     seen = np.unique(flat)
     return res.obf_to_plain[flat], {
         "trace": res.trace, "anchors": res.anchors, "parts": parts, "start_from": source,
         "search_seconds": searched, "model_seconds": model_seconds, "em_rounds": s.em_rounds,
+        "em_rounds_kept": sum(bool(e.get("kept")) for e in res.trace if e["stage"].startswith("model EM")),
+        "digit_swaps_kept": bool(dg),
         "em_options": {k: v for k, v in options.items() if k != "digits"},
         "map": {"cipher": seen.tolist(), "plain": res.obf_to_plain[seen].tolist()}}
 
@@ -261,6 +268,8 @@ def render(entries: dict) -> str:
         for key in parts:
             e = entries[key]
             for name, f in e["parts"].items():
+                if name == "+ EM with the model" and not e.get("em_rounds"):
+                    continue  # no EM round was run for this entry
                 lines.append(f"| {key.rsplit('/', 2)[1]} | {e['tokens_observed']:,} | {name} | "
                              f"{pct(f['token_recovery'])} | {pct(f['user_text_recovery'])} | {pct(f['pii_recovery'])} | "
                              f"{f['model_ll']:.3f} |")
