@@ -308,6 +308,12 @@ CONFIGS = {
     "smollm2-em-1e4-public": Settings(volumes=(), references=("public",), old_at=(), controls_at=(),
                                       em_at=(10_000,), em_from="smollm2", stream_tokens=1_000_000, em_rounds=2,
                                       em_options=(("sample_tokens", 5_000), ("digit_rounds", 4))),
+    # the digits as a unit with the whole sample read after every round (the likeliest round kept), at 10^4, from
+    # the bigram search's maps; no EM round, no other start
+    **{f"smollm2-digits-1e4-{r.replace('+', '-')}": Settings(
+        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(10_000,), em_from="smollm2",
+        stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
+        em_options=(("sample_tokens", 5_000), ("digit_rounds", 4), ("digit_check_each", True))) for r in REFERENCES},
     # a third key: the bigram search and the model's refinement on the same stream
     "smollm2-seed2-em": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), em_at=(1_000, 10_000), seed=2,
                                  em_rounds=2, em_options=(("sample_tokens", 5_000), ("digit_rounds", 4))),

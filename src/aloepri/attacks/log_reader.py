@@ -631,7 +631,7 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
               per_row: int = 24, top_k: int = 12, w_left: float = 0.0, w_right: float = 1.0,
               min_occurrences: int = 1, sample_tokens: int | None = None, cover: int = 3, batch_tokens: int = 2048,
               device=None, digits: Sequence[int] | None = None, digit_rounds: int = 4, digit_occurrences: int = 4,
-              context: int = 24, ahead: int = 6, seed: int = 0,
+              digit_check_each: bool = False, context: int = 24, ahead: int = 6, seed: int = 0,
               record: Callable[[dict, np.ndarray], None] | None = None) -> tuple[np.ndarray, ModelReading]:
     """The public model reading whole requests. ``starts``: (name, map) pairs; the model reads a sample of the
     requests deciphered by each (``cover_sample``: all of them when they fit ``sample_tokens``; ``ModelReading``)
@@ -691,25 +691,28 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
     if digits is not None and len(digits) and digit_rounds > 0:
         m, reading = _digits_unit(lm, reading, read, model, rows, m, np.asarray(digits, np.int64), holder,
                                   rounds=digit_rounds, occurrences=digit_occurrences, context=context,
-                                  ahead=ahead, batch_tokens=batch_tokens, device=device, rng=rng, record=record)
+                                  ahead=ahead, batch_tokens=batch_tokens, device=device, rng=rng, record=record,
+                                  check_each=digit_check_each)
     return m, reading
 
 
 def _digits_unit(lm, reading: ModelReading, read: Callable[[np.ndarray], ModelReading], model: CandidateModel,
                  rows: Sequence[np.ndarray], m: np.ndarray, digits: np.ndarray, holder: int, *, rounds: int,
                  occurrences: int, context: int, ahead: int, batch_tokens: int, device, rng: np.random.Generator,
-                 record) -> tuple[np.ndarray, ModelReading]:
+                 record, check_each: bool = False) -> tuple[np.ndarray, ModelReading]:
     """The digits as a unit. The ids on digit plaintexts, with the ids the model reads as digits (over half its
     probability on the ten at their occurrences) on the digits no id holds, are re-assigned among the ten by
     swaps the model scores on windows (``context`` tokens before each sampled occurrence, ``ahead`` after; every
     token of the two ids in the window swapped: dates, phone, card and account numbers read as a whole). Each
     round applies the swaps that raise the windows' likelihood, the largest first, each id once; the result is
-    kept only if the model's likelihood of the whole sample rises."""
+    kept only if the model's likelihood of the whole sample rises (``check_each``: read after every round, the
+    likeliest round kept)."""
     c = len(model.cols)
     n = len(m)
     dcols = model.index[digits]
     dcols = dcols[dcols < c]
     start_ll, start = reading.mean_ll, m.copy()
+    best = (start, reading)
     is_d = np.isin(reading.tops, model.cols[dcols])
     mass = (np.exp(reading.vals) * is_d).sum(axis=1)
     per = np.bincount(reading.pos_rows, weights=mass, minlength=n) / np.maximum(reading.occurrences, 1)
@@ -721,7 +724,7 @@ def _digits_unit(lm, reading: ModelReading, read: Callable[[np.ndarray], ModelRe
         m[r] = col
     unit = np.flatnonzero(np.isin(m, dcols))
     if len(unit) < 2:
-        return start, reading
+        return best
     where: dict[int, list[tuple[int, int]]] = {}
     for i, rr in enumerate(rows):
         for t in np.flatnonzero(np.isin(rr, unit)):
@@ -761,19 +764,26 @@ def _digits_unit(lm, reading: ModelReading, read: Callable[[np.ndarray], ModelRe
             m[a], m[b] = m[b], m[a]
             used.update((a, b))
             applied += 1
+        entry = {"stage": f"digits: swap round {rnd + 1}", "swaps": applied, "digit_ids": len(unit),
+                 "window_tokens": int(sum(len(w) for w in windows))}
+        if applied and check_each:  # the whole sample read after every round: the likeliest round is kept
+            new = read(m)
+            entry["model_ll"] = round(new.mean_ll, 4)
+            if new.mean_ll > best[1].mean_ll:
+                best = (m.copy(), new)
         if record:
-            record({"stage": f"digits: swap round {rnd + 1}", "swaps": applied, "digit_ids": len(unit),
-                    "window_tokens": int(sum(len(w) for w in windows))}, m)
+            record(entry, m)
         if not applied:
             break
-    if np.array_equal(m, start):
-        return start, reading
-    new = read(m)
-    ok = new.mean_ll > start_ll
+    if not check_each and not np.array_equal(m, start):
+        new = read(m)
+        if new.mean_ll > start_ll:
+            best = (m, new)
+    ok = best[0] is not start
     if record:
-        record({"stage": "digits: kept" if ok else "digits: rejected", "model_ll": round(new.mean_ll, 4),
-                "kept": bool(ok)}, m if ok else start)
-    return (m, new) if ok else (start, reading)
+        record({"stage": "digits: kept" if ok else "digits: rejected", "model_ll": round(best[1].mean_ll, 4),
+                "kept": bool(ok)}, best[0])
+    return best
 
 
 # --- the registered attacks' engine: the audit's observer of the logs, at a stated traffic volume ----------------
