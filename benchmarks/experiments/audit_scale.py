@@ -2,9 +2,9 @@
 shape, torch (both models in process, float32) beside llama.cpp q8_0 (both models as a provider serves them).
 
 Reads the stored runs of ``audit_smollm2`` (nothing is re-measured here): each point is one whole command, its
-wall and CPU seconds (every thread) and peak RSS, model loading included, with the verdict it reached. A point that
-was run in process (the older torch 1.5B run, before the command ran in a child) has the report's wall seconds and
-its steps' highest peak RSS, and no CPU figure. A config with no stored run is listed as not measured, never drawn.
+wall and CPU seconds (every thread) and peak RSS (the highest of the child's count and each step's), model loading
+included, with the verdict it reached. A point that was run in process (the older torch 1.5B run, before the
+command ran in a child) has the report's wall seconds and its steps' highest peak RSS, and no CPU figure. A config with no stored run is listed as not measured, never drawn.
 """
 from __future__ import annotations
 
@@ -28,16 +28,16 @@ def point(config: str, settings, entries: dict) -> dict | None:
     rep = entries.get("report")
     if rep is None:
         return None
+    from .audit_smollm2 import peak_rss_gib
+
     proc = entries.get("process")
     engine = (rep.get("engine") or {}).get("name") or "torch"
-    steps = [a.get("attack_budget", {}).get("peak_rss_gib") for a in rep["attacks"]] + \
-        [rep.get("fidelity", {}).get("peak_rss_gib")]
     return {"config": config, "model": settings.model, "parameters": PARAMETERS[settings.model],
             "synthetic": bool(settings.synthetic), "engine": engine, "budget": rep["budget"],
             "in_process": proc is None,
             "wall_seconds": proc["wall_seconds"] if proc else rep["time"]["seconds"],
             "cpu_seconds": proc["cpu_seconds"] if proc else None,
-            "peak_rss_gib": proc["peak_rss_gib"] if proc else max(x for x in steps if x),
+            "peak_rss_gib": peak_rss_gib(rep, proc),
             "worst_prompt_token_recovery": rep["worst_prompt_token_recovery"], "worst_attack": rep["worst_attack"]}
 
 

@@ -15,6 +15,7 @@ RSS (VmHWM), model loading included: the figures a user's run would show.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,9 @@ class Settings:
     synthetic: str = ""
     synthetic_layers: int = 0
     synthetic_vocab: int = 0
+    # an attack run after the audit on the same output and engine (`aloepri attack NAME`), the positive control
+    # where the audit's verdict comes from another attack (Gate-IA reads an `exact` output before the models run)
+    control: str = ""
 
 
 def shorten_paths(report: dict) -> dict:
@@ -80,6 +84,8 @@ def run(s: Settings, store: ResultStore) -> None:
             if s.engine:
                 process, report = _audit_child(s, src, server, key, w)
                 store.put("process", process)
+                if s.control:
+                    store.put("control", _control_child(s, src, server, key, w))
             else:
                 report = run_audit(src, server, key, s.budget, w / "report", threads=s.threads, progress=False,
                                    log=print,
@@ -119,6 +125,7 @@ def _audit_child(s: Settings, src: Path, server: Path, key: Path, work: Path) ->
     argv = ["audit", str(src), "--obfuscated", str(server), "--key", str(key), "--budget", s.budget, "--out",
             str(work / "report"), "--threads", str(s.threads), "--engine", s.engine, "--quiet"] + \
         (["--all-attacks"] if s.all_attacks else []) + (["--device", s.device] if s.device != "cpu" else [])
+    load_before = [round(x, 2) for x in os.getloadavg()]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(work / "child.json"), "--",
                            *argv], cwd=REPO, capture_output=True, text=True)
     print(proc.stdout[-2000:], flush=True)
@@ -127,8 +134,40 @@ def _audit_child(s: Settings, src: Path, server: Path, key: Path, work: Path) ->
     child = json.loads((work / "child.json").read_text())
     process = {"wall_seconds": child["seconds"], "cpu_seconds": child["cpu_seconds"],
                "load_seconds": child["load_seconds"], "peak_rss_gib": round(child["peak_rss_mib"] / 1024, 2),
+               "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
                "command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv)}
     return process, json.loads((work / "report" / "report.json").read_text())
+
+
+def _control_child(s: Settings, src: Path, server: Path, key: Path, work: Path) -> dict:
+    """``aloepri attack CONTROL`` on the audited output, on the same engine, in a child: its recovery and cost."""
+    import subprocess
+    import sys
+
+    from ..lib.provenance import REPO
+
+    argv = ["attack", s.control, "--plain", str(src), "--obfuscated", str(server), "--key", str(key), "--budget",
+            s.budget, "--threads", str(s.threads), "--engine", s.engine, "--report-dir", str(work / "control"),
+            "--quiet"] + (["--device", s.device] if s.device != "cpu" else [])
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(work / "control.json"), "--",
+                           *argv], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"aloepri attack {s.control} failed ({proc.returncode}): {proc.stderr[-2500:]}")
+    child = json.loads((work / "control.json").read_text())
+    (res,) = json.loads((work / "control" / "attack_report.json").read_text())["results"]
+    return {"attack": res["attack"], "ttrsr": res["ttrsr"], "piirsr": res["piirsr"],
+            "vocab_recovery": res.get("metrics", {}).get("vocab_recovery"),
+            "wall_seconds": child["seconds"], "cpu_seconds": child["cpu_seconds"],
+            "peak_rss_gib": round(child["peak_rss_mib"] / 1024, 2),
+            "command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv)}
+
+
+def peak_rss_gib(report: dict, process: dict | None) -> float:
+    """The whole command's peak RSS: the highest of the child's count and every step's own (runs before the child
+    read the count before each step's restart of it stored only the last step's)."""
+    steps = [(a.get("attack_budget") or {}).get("peak_rss_gib") for a in report["attacks"]] + \
+        [report.get("fidelity", {}).get("peak_rss_gib")]
+    return max([x for x in steps if x] + ([process["peak_rss_gib"]] if process else []))
 
 
 def report(store: ResultStore) -> str:
@@ -141,10 +180,15 @@ def report(store: ResultStore) -> str:
              f"budget {r['budget']}, complete {r['complete']}, {r['time']['seconds']:.0f} s; command: `{r['command']}`",
              f"engine {engine['name']}: {engine['why']}" + (
                  f"; the whole command: {proc['wall_seconds'] / 60:.1f} min wall, {proc['cpu_seconds'] / 60:.1f} min "
-                 f"CPU, peak RSS {proc['peak_rss_gib']:.2f} GiB" if proc else ""),
+                 f"CPU, peak RSS {peak_rss_gib(r, proc):.2f} GiB" if proc else ""),
              "", "| attack | observer | status | TTRSR (%) | PIIRSR (%) | seconds | peak RSS (GiB) |",
              "|---|---|---|---|---|---|---|"]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    ctl = store.get("control")
+    if ctl:
+        lines.insert(3, f"positive control: `{ctl['command']}` read {100 * ctl['ttrsr']:.1f}% of the prompt tokens "
+                        f"({ctl['wall_seconds'] / 60:.1f} min wall, {ctl['cpu_seconds'] / 60:.1f} min CPU, peak RSS "
+                        f"{ctl['peak_rss_gib']:.2f} GiB)")
     fid = r.get("fidelity", {})
     if fid.get("status") == "ran":
         where = f", {fid['engine']}, {fid.get('models_held', 'both models held')}" if fid.get("engine") else ""
@@ -183,7 +227,15 @@ CONFIGS = {"ci": Settings(),
                                          seed=2026, engine="torch", device="cuda", threads=8),
            # the 8B shape on this machine: all 32 layers, the full vocabulary, llama.cpp q8_0, at ci
            "synthetic-8b-llamacpp": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", seed=2026,
-                                             engine="llamacpp-q8_0", threads=2),
+                                             engine="llamacpp-q8_0", threads=2, control="behavioural"),
+           # the same width and vocabulary with 4 of the 32 layers: what fits this session's machine time
+           "synthetic-8b-4layers-llamacpp": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=4,
+                                                     seed=2026, engine="llamacpp-q8_0", threads=2,
+                                                     control="behavioural"),
+           # the path end to end at 2 layers and a 16k vocabulary, with the behavioural attack as positive control
+           "synthetic-8b-2layers-llamacpp": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=2,
+                                                     synthetic_vocab=16384, seed=2026, engine="llamacpp-q8_0",
+                                                     threads=2, control="behavioural"),
            "synthetic-8b-2layers-cpu": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=2,
                                                 synthetic_vocab=16384, seed=2026, engine="torch", threads=2)}
 DOCS = ("docs/audit.md",)

@@ -45,6 +45,18 @@ def main() -> int:
     inference.load_obfuscated_model = timed(inference.load_obfuscated_model, "obfuscated model")
     inference.load_tokenizer = timed(inference.load_tokenizer, "tokenizer")
     tokenizer.load_hf_tokenizer = timed(tokenizer.load_hf_tokenizer, "tokenizer")
+    # the audit and the attacks restart the kernel's peak-RSS count before each step (to report each step's own);
+    # the whole command's peak is the highest of those counts, read before each restart and at the end
+    import aloepri.attacks.base as attacks_base
+
+    peak_kib = [0]
+    restart = attacks_base.reset_peak_rss
+
+    def reset_peak_rss() -> None:
+        peak_kib[0] = max(peak_kib[0], status_kib())
+        restart()
+
+    attacks_base.reset_peak_rss = reset_peak_rss
     from aloepri.cli import main as aloepri_main
 
     t, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
@@ -55,7 +67,7 @@ def main() -> int:
     with open(out, "w") as f:
         json.dump({"argv": argv, "exit_code": code, "seconds": round(seconds, 1),
                    "cpu_seconds": round(cpu_seconds, 1), "load_seconds": round(sum(s for _, s in loads), 1), "loads": loads,
-                   "peak_rss_mib": round(status_kib() / 1024)}, f, indent=2)
+                   "peak_rss_mib": round(max(peak_kib[0], status_kib()) / 1024)}, f, indent=2)
     return code
 
 
