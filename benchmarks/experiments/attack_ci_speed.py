@@ -225,6 +225,9 @@ CONFIGS = {"isa_attention": Settings(),
            # the code before the shared per-target results, the KV-cached ISA beam and the ci samples
            "commands-attack": Settings(attacks=(), commands=("attack_all",),
                                        baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
+           # the current code's run alone (the baseline's is in commands-attack), for a run started beside it
+           "commands-attack-current": Settings(attacks=(), commands=("attack_all",), versions=("after",),
+                                               baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
            "commands-audit": Settings(attacks=(), commands=("audit_all",),
                                       baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
            "smoke": Settings(attacks=("gate-ia",))}
