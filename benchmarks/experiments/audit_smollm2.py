@@ -238,5 +238,5 @@ CONFIGS = {"ci": Settings(),
                                                      threads=2, control="behavioural"),
            "synthetic-8b-2layers-cpu": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=2,
                                                 synthetic_vocab=16384, seed=2026, engine="torch", threads=2)}
-DOCS = ("docs/audit.md",)
+DOCS = ("docs/audit.md", "docs/performance.md")
 NOTES = "CPU; obfuscates with a fresh random seed each run, as a user would"
