@@ -182,6 +182,8 @@ def _commands_report(e: dict) -> str:
                  "|---|---|---|---|---|"]
         for name, r in sorted(a["attacks"].items(), key=lambda kv: -(kv[1].get("seconds") or 0)):
             p = (b or {}).get("attacks", {}).get(name, {})
+            if r.get("seconds") is None and p.get("seconds") is None:
+                continue  # planned but not run at this budget (the audit lists it as skipped)
             cpu = "-" if r.get("cpu_seconds") is None else f"{r['cpu_seconds']:.0f}"
             rows.append(f"| {name} | {p.get('seconds', '-')} / {r.get('seconds')} | {cpu} | "
                         f"{_pct(p.get('ttrsr'))} / {_pct(r.get('ttrsr'))} | {_pct(p.get('piirsr'))} / "
