@@ -38,6 +38,8 @@ def point(config: str, settings, entries: dict) -> dict | None:
             "wall_seconds": proc["wall_seconds"] if proc else rep["time"]["seconds"],
             "cpu_seconds": proc["cpu_seconds"] if proc else None,
             "peak_rss_gib": peak_rss_gib(rep, proc),
+            "load_average": [proc["load_average_before"][0], proc["load_average_after"][0]]
+            if proc and "load_average_before" in proc else None,
             "worst_prompt_token_recovery": rep["worst_prompt_token_recovery"], "worst_attack": rep["worst_attack"]}
 
 
@@ -60,13 +62,14 @@ def report(store: ResultStore) -> str:
     if e is None:
         return "(nothing stored)"
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
-    lines = ["| model | parameters | engine | budget | wall | CPU | peak RSS | verdict (worst prompt-token recovery) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | parameters | engine | budget | wall | CPU | peak RSS | load average before / after | "
+             "verdict (worst prompt-token recovery) |", "|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(e["points"], key=lambda p: (p["parameters"], p["engine"])):
         name = p["model"] + (" (shape, random weights)" if p["synthetic"] else "")
         cpu = "-" if p["cpu_seconds"] is None else f"{p['cpu_seconds'] / 60:.1f} min"
         lines.append(f"| {name} | {p['parameters'] / 1e9:.2f}B | {p['engine']}{' (in process)' if p['in_process'] else ''}"
                      f" | {p['budget']} | {p['wall_seconds'] / 60:.1f} min | {cpu} | {p['peak_rss_gib']:.1f} GiB | "
+                     f"{'not recorded' if not p.get('load_average') else ' / '.join(map(str, p['load_average']))} | "
                      f"{pct(p['worst_prompt_token_recovery'])} ({p['worst_attack']}) |")
     if e["not_measured"]:
         lines += ["", "Not measured yet: " + ", ".join(f"`{c}`" for c in e["not_measured"]) + "."]

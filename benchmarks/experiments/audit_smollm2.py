@@ -85,7 +85,11 @@ def run(s: Settings, store: ResultStore) -> None:
                 process, report = _audit_child(s, src, server, key, w)
                 store.put("process", process)
                 if s.control:
-                    store.put("control", _control_child(s, src, server, key, w))
+                    store.put("report", shorten_paths(report))  # kept whatever the control does
+                    try:
+                        store.put("control", _control_child(s, src, server, key, w))
+                    except RuntimeError as e:
+                        store.put("control", {"attack": s.control, "failed": str(e)[-600:]})
             else:
                 report = run_audit(src, server, key, s.budget, w / "report", threads=s.threads, progress=False,
                                    log=print,
@@ -185,7 +189,9 @@ def report(store: ResultStore) -> str:
              "|---|---|---|---|---|---|---|"]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     ctl = store.get("control")
-    if ctl:
+    if ctl and ctl.get("failed"):
+        lines.insert(3, f"positive control `{ctl['attack']}` did not run: {ctl['failed'].strip().splitlines()[-1]}")
+    elif ctl:
         lines.insert(3, f"positive control: `{ctl['command']}` read {100 * ctl['ttrsr']:.1f}% of the prompt tokens "
                         f"({ctl['wall_seconds'] / 60:.1f} min wall, {ctl['cpu_seconds'] / 60:.1f} min CPU, peak RSS "
                         f"{ctl['peak_rss_gib']:.2f} GiB)")
