@@ -172,20 +172,23 @@ def _commands_report(e: dict) -> str:
     rows = []
     for command in ("attack_all", "audit_all"):
         b, a = e.get(f"{command}/before"), e.get(f"{command}/after")
-        if a is None:
+        if a is None and b is None:
             continue
-        rows += [f"`{a['command']}`", "",
+        shown = a or b  # one version alone: its attacks, the other's column empty
+        rows += [f"`{shown['command']}`", "",
                  "| code | CPU s | wall s | peak RSS MiB | load avg (before run) |", "|---|---|---|---|---|"]
         rows += [f"| {v} ({x['code'][:7]}) | {x['cpu_seconds']:.0f} | {x['wall_seconds']:.0f} | {x['peak_rss_mib']} | "
                  f"{x['load_average_before'][0]} |" for v, x in (("before", b), ("after", a)) if x is not None]
         rows += ["", "| attack | s before / after | CPU s after | TTRSR % before / after | PIIRSR % before / after |",
                  "|---|---|---|---|---|"]
-        for name, r in sorted(a["attacks"].items(), key=lambda kv: -(kv[1].get("seconds") or 0)):
+        for name, shown_r in sorted(shown["attacks"].items(), key=lambda kv: -(kv[1].get("seconds") or 0)):
+            r = (a or {}).get("attacks", {}).get(name, {})
             p = (b or {}).get("attacks", {}).get(name, {})
             if r.get("seconds") is None and p.get("seconds") is None:
                 continue  # planned but not run at this budget (the audit lists it as skipped)
             cpu = "-" if r.get("cpu_seconds") is None else f"{r['cpu_seconds']:.0f}"
-            rows.append(f"| {name} | {p.get('seconds', '-')} / {r.get('seconds')} | {cpu} | "
+            dash = lambda v: "-" if v is None else v  # noqa: E731
+            rows.append(f"| {name} | {dash(p.get('seconds'))} / {dash(r.get('seconds'))} | {cpu} | "
                         f"{_pct(p.get('ttrsr'))} / {_pct(r.get('ttrsr'))} | {_pct(p.get('piirsr'))} / "
                         f"{_pct(r.get('piirsr'))} |")
         rows.append("")
