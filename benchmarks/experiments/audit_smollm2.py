@@ -120,50 +120,45 @@ def synthetic_source(s: Settings) -> Path:
     return out
 
 
-def _audit_child(s: Settings, src: Path, server: Path, key: Path, work: Path) -> tuple[dict, dict]:
+def _run_child(argv: list[str], out: Path, what: str, echo: bool = False) -> dict:
+    """One ``aloepri`` command in a fresh child (benchmarks.lib.command_child): its wall and CPU seconds, loading,
+    peak RSS, the load average around it and the command with local paths shortened."""
     import subprocess
     import sys
 
     from ..lib.provenance import REPO
 
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(out), "--", *argv], cwd=REPO,
+                          capture_output=True, text=True)
+    if echo:
+        print(proc.stdout[-2000:], flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"aloepri {what} failed ({proc.returncode}): {proc.stderr[-2500:]}")
+    child = json.loads(out.read_text())
+    return {"wall_seconds": child["seconds"], "cpu_seconds": child["cpu_seconds"],
+            "load_seconds": child["load_seconds"], "peak_rss_gib": round(child["peak_rss_mib"] / 1024, 2),
+            "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv)}
+
+
+def _audit_child(s: Settings, src: Path, server: Path, key: Path, work: Path) -> tuple[dict, dict]:
     argv = ["audit", str(src), "--obfuscated", str(server), "--key", str(key), "--budget", s.budget, "--out",
             str(work / "report"), "--threads", str(s.threads), "--engine", s.engine, "--quiet"] + \
         (["--all-attacks"] if s.all_attacks else []) + (["--device", s.device] if s.device != "cpu" else [])
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(work / "child.json"), "--",
-                           *argv], cwd=REPO, capture_output=True, text=True)
-    print(proc.stdout[-2000:], flush=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"aloepri audit failed ({proc.returncode}): {proc.stderr[-2500:]}")
-    child = json.loads((work / "child.json").read_text())
-    process = {"wall_seconds": child["seconds"], "cpu_seconds": child["cpu_seconds"],
-               "load_seconds": child["load_seconds"], "peak_rss_gib": round(child["peak_rss_mib"] / 1024, 2),
-               "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
-               "command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv)}
+    process = _run_child(argv, work / "child.json", "audit", echo=True)
     return process, json.loads((work / "report" / "report.json").read_text())
 
 
 def _control_child(s: Settings, src: Path, server: Path, key: Path, work: Path) -> dict:
     """``aloepri attack CONTROL`` on the audited output, on the same engine, in a child: its recovery and cost."""
-    import subprocess
-    import sys
-
-    from ..lib.provenance import REPO
-
     argv = ["attack", s.control, "--plain", str(src), "--obfuscated", str(server), "--key", str(key), "--budget",
             s.budget, "--threads", str(s.threads), "--engine", s.engine, "--report-dir", str(work / "control"),
             "--quiet"] + (["--device", s.device] if s.device != "cpu" else [])
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.lib.command_child", str(work / "control.json"), "--",
-                           *argv], cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"aloepri attack {s.control} failed ({proc.returncode}): {proc.stderr[-2500:]}")
-    child = json.loads((work / "control.json").read_text())
+    process = _run_child(argv, work / "control.json", f"attack {s.control}")
     (res,) = json.loads((work / "control" / "attack_report.json").read_text())["results"]
     return {"attack": res["attack"], "ttrsr": res["ttrsr"], "piirsr": res["piirsr"],
-            "vocab_recovery": res.get("metrics", {}).get("vocab_recovery"),
-            "wall_seconds": child["seconds"], "cpu_seconds": child["cpu_seconds"],
-            "peak_rss_gib": round(child["peak_rss_mib"] / 1024, 2),
-            "command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv)}
+            "vocab_recovery": res.get("metrics", {}).get("vocab_recovery"), **process}
 
 
 def peak_rss_gib(report: dict, process: dict | None) -> float:
