@@ -232,7 +232,7 @@ CONFIGS = {"ci": Settings(),
            # the 8B shape on this machine: all 32 layers, the full vocabulary, llama.cpp q8_0, at ci
            "synthetic-8b-llamacpp": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", seed=2026,
                                              engine="llamacpp-q8_0", threads=2, control="behavioural"),
-           # the same width and vocabulary with 4 of the 32 layers: what fits this session's machine time
+           # the same width and vocabulary with 4 of the 32 layers: what fits a few hours of a 2-core machine
            "synthetic-8b-4layers-llamacpp": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=4,
                                                      seed=2026, engine="llamacpp-q8_0", threads=2,
                                                      control="behavioural"),
