@@ -186,10 +186,16 @@ class AttackTarget:
 
     @cached_property
     def tokenizer(self):
-        """The public plaintext tokenizer (the attacker has it: the plaintext model is public)."""
+        """The public plaintext tokenizer (the attacker has it: the plaintext model is public).
+        ``NoTokenizerError`` when the plaintext checkpoint ships none (test and synthetic checkpoints)."""
         from ..runtime.tokenizer import load_hf_tokenizer
 
-        return load_hf_tokenizer(self.plain_src)
+        try:
+            return load_hf_tokenizer(self.plain_src)
+        except Exception:
+            if ships_no_tokenizer(self.plain_src):
+                raise NoTokenizerError(f"the plaintext model {self.plain_src} ships no tokenizer") from None
+            raise
 
     @property
     def vocab_size(self) -> int:
@@ -206,6 +212,28 @@ class AttackTarget:
         if self.key is None:
             raise ValueError("simulating the victim's traffic needs the key (ground truth); pass --key")
         return self.key.encode_ids(list(plain_ids))
+
+
+class NoTokenizerError(ValueError):
+    """The plaintext model ships no tokenizer, and something asked for it (an attack that tokenizes text)."""
+
+
+def ships_no_tokenizer(plain_src: str | Path) -> bool:
+    """Whether a plaintext checkpoint directory carries no tokenizer (``SourceCheckpoint.tokenizer_kwargs``; a .gguf
+    file always carries one)."""
+    p = Path(plain_src)
+    if not (p / "config.json").is_file():
+        return False
+    from ..obfuscation.checkpoint import CheckpointError, open_checkpoint
+
+    try:
+        ck = open_checkpoint(p)
+    except CheckpointError:
+        return False
+    try:
+        return ck.tokenizer_kwargs() is None
+    finally:
+        ck.close()
 
 
 def float32_copy_crowds(obfuscated_dir: str | Path, device: torch.device, share: float = 0.7, models: int = 2

@@ -555,19 +555,16 @@ def run_behavioural(target: AttackTarget, data: PrivateData, budget: Budget, see
 def vma_confident_pairs(target: AttackTarget, vma_budget: str, seed: int, sample: int) -> list[tuple[int, int]]:
     """VMA (sources of ``vma_budget``) on a seeded sample of obfuscated ids; pairs where every voting weight
     source agrees, kept when the plaintext side is unique (weights only, no key)."""
-    from .vma import (ALL_PRODUCTS, VMA_BUDGETS, candidate_signatures, signatures, spread_layers, vma_sources,
-                      vote_match, num_layers)
+    from .vma import ALL_PRODUCTS, VMA_BUDGETS, source_signatures, spread_layers, target_weights, vote_match
 
     cfg = VMA_BUDGETS[vma_budget]
-    plain, obf = target.plain_model, target.obf_model
-    v = int(plain.config.vocab_size)
-    L = num_layers(plain)
+    v = target.vocab_size
+    with target_weights(target, "plain") as w:  # streamed from the checkpoints unless the models are loaded
+        L = w.num_layers
     prods = tuple(p for p in ALL_PRODUCTS if p != "embed.head" or cfg["embed_head"])
     layers, qk = spread_layers(L, cfg["mlp_layers"]), spread_layers(L, cfg["qk_layers"])
     q = np.sort(np.random.default_rng(seed + 1).choice(v, size=min(sample, v), replace=False))
-    sp, so = vma_sources(plain, prods, layers, qk), vma_sources(obf, prods, layers, qk)
-    cand = [candidate_signatures(target, s, cfg["sketch"]) for s in sp]
-    qry = [signatures(s, torch.from_numpy(q), cfg["sketch"]) for s in so]  # rows follow the weights' device
+    _, cand, qry = source_signatures(target, prods, layers, qk, cfg["sketch"], q)
     fused, per_source, _, keep = vote_match(qry, cand)
     unanimous = (per_source[keep] == fused[None, :]).all(axis=0) if len(keep) > 1 else np.ones(len(q), bool)
     vals, counts = np.unique(fused[unanimous], return_counts=True)

@@ -22,6 +22,34 @@ def private_data(tokenizer, n: int, seed: int) -> PrivateData:
     return private_prompts(tokenizer, n, seed)
 
 
+def victim_prompts(target, n: int, seed: int, has_tok: bool | None = None) -> tuple[PrivateData, dict[str, Any]]:
+    """(the victim's prompts, their description) for an attack or an audit: Faker PII prompts through the public
+    tokenizer (``private_data``); without one (test and synthetic checkpoints) ``n`` seeded 16-token prompts of
+    random ids (no PII mask: PIIRSR is then not measured). ``has_tok``: whether the tokenizer loads, when known."""
+    import numpy as np
+
+    from .base import has_tokenizer
+
+    if has_tok if has_tok is not None else has_tokenizer(target):
+        data = private_data(target.tokenizer, n, seed)
+        kind = "Faker PII prompts in realistic templates (aloepri.attacks.data)"
+    else:
+        rng = np.random.default_rng(seed)
+        ids = [rng.integers(16, target.vocab_size, size=16).tolist() for _ in range(n)]
+        data = PrivateData([""] * n, ids, [[False] * 16 for _ in ids])
+        kind = "random token ids (the plaintext model ships no tokenizer; PII recovery not measured)"
+    return data, {"kind": kind, "count": len(data.plain_ids), "seed": seed,
+                  "tokens": sum(map(len, data.plain_ids)), "pii_tokens": sum(sum(m) for m in data.pii_mask)}
+
+
+def needed_text(results: list[dict[str, Any]]) -> list[str]:
+    """The attacks among a report's ``results`` that stopped because the plaintext model ships no tokenizer."""
+    from .base import NoTokenizerError
+
+    return [r["attack"] for r in results
+            if str((r.get("metrics") or {}).get("error", "")).startswith(NoTokenizerError.__name__ + ":")]
+
+
 def cmd_attack(args: argparse.Namespace) -> int:
     import torch
 
@@ -62,16 +90,26 @@ def cmd_attack(args: argparse.Namespace) -> int:
 
         base = resolve_params(args.ablation_preset) if args.ablation_preset else \
             ObfuscationParams.from_dict(target.key.params)
-        rows = run_ablation(args.plain, base, out / "ablation-models", lambda t: private_data(t.tokenizer, args.prompts,
-                            args.seed), names, budget, args.seed, device=target.device)
+        rows = run_ablation(args.plain, base, out / "ablation-models", lambda t: victim_prompts(t, args.prompts,
+                            args.seed)[0], names, budget, args.seed, device=target.device)
         j, m = write_ablation(rows, out, {**context, "base_params": base.to_dict()})
     else:
-        data = private_data(target.tokenizer, args.prompts, args.seed)
+        data, context["private_prompts"] = victim_prompts(target, args.prompts, args.seed)
         context["params"] = target.key.params
         # what the figures depend on: a report in --report-dir with the same run is resumed
         context["run"] = {k: context[k] for k in ("plain", "obfuscated", "budget", "prompts", "seed", "device",
                                                    "batch", "engine")} | {"model_fingerprint": target.key.model_fingerprint}
         j, m = run_suite(target, data, names, budget, out, context, args.seed, progress=not args.quiet)
+        import json
+
+        text = needed_text(json.loads(j.read_text())["results"])
+        if text:
+            from .base import NoTokenizerError
+
+            ran = "" if len(text) == len(names) else f" (the others are in {j})"
+            raise NoTokenizerError(f"{', '.join(text)} tokenize{'s' if len(text) == 1 else ''} text, and the "
+                                   f"plaintext model {args.plain} ships no tokenizer: give the plaintext model "
+                                   f"with its tokenizer, or run the attacks that need none{ran}")
     print(f"wrote {j} and {m}")
     return 0
 

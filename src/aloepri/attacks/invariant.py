@@ -27,7 +27,8 @@ import torch
 
 from ..runtime.modules import ModelModules
 from .base import AttackResult, AttackTarget, Budget, PrivateData, register_variant
-from .vma import _w, embed_matrix, match_features, num_layers, spread_layers
+from .vma import CheckpointWeights, _w, as_weights, embed_matrix, match_features, num_layers, spread_layers, \
+    target_weights
 
 Tensor = torch.Tensor
 
@@ -39,16 +40,18 @@ IA_BUDGETS: dict[str, dict] = {
 
 
 def gate_invariants(model) -> Tensor:
-    """(n, layers): Avg over FFN neurons of e diag(w) W_gate^T, each column scaled to unit RMS over the vocabulary."""
-    emb = embed_matrix(model)
+    """(n, layers): Avg over FFN neurons of e diag(w) W_gate^T, each column scaled to unit RMS over the vocabulary.
+    ``model``: a loaded model or a weights reader (``vma.CheckpointWeights``: the embedding and one layer's gate
+    held at a time)."""
+    w = as_weights(model)
+    emb = w.get("embed")
     cols = []
-    mods = ModelModules(model)
-    for i in range(len(mods)):
-        layer = mods.layer(i)
-        if layer.gate is None:
+    for i in range(w.num_layers):
+        if not w.has("gate", i):
             continue  # MoE layers have no single gate; their experts are not used here
-        gate = _w(layer.gate) * _w(layer.ffn_norm)[None, :]
+        gate = w.get("gate", i) * w.get("ffn_norm", i)[None, :]
         cols.append(emb @ gate.mean(dim=0))  # Avg_j (e W)_j = e . mean_j W_j: no (n, ffn) product needed
+        del gate
     return _scaled_columns(cols)
 
 
@@ -63,30 +66,19 @@ def gate_invariants_of_checkpoint(path) -> Tensor:
     """``gate_invariants`` read from a checkpoint (a Hugging Face directory or a .gguf file) tensor by tensor, no
     model built: the same numbers bit for bit (the same float32 weights, the same products), holding the embedding
     and one layer's gate at a time instead of the model."""
-    from ..obfuscation.checkpoint import open_checkpoint
-
-    ck = open_checkpoint(path)
+    w = CheckpointWeights(path)
     try:
-        emb = ck.get("embed", dtype=torch.float32)
-        cols = []
-        for i in range(ck.num_layers):
-            if not ck.has("gate", i):
-                continue  # MoE layers, as above
-            gate = ck.get("gate", i, dtype=torch.float32) * ck.get("ffn_norm", i, dtype=torch.float32)[None, :]
-            cols.append(emb @ gate.mean(dim=0))
-            del gate
+        return gate_invariants(w)
     finally:
-        ck.close()
-    return _scaled_columns(cols)
+        w.close()
 
 
 def target_gate_invariants(target: AttackTarget, side: str) -> Tensor:
     """Gate-IA's features of one side ('plain' or 'obf') of ``target``: from the model when it is loaded (or was
-    built in memory), else streamed from its checkpoint, so that Gate-IA loads neither model."""
-    attr, path = ("plain_model", target.plain_src) if side == "plain" else ("obf_model", target.obfuscated_dir)
-    if attr in target.__dict__ or not (path.is_file() or (path / "config.json").is_file()):
-        return gate_invariants(getattr(target, attr))
-    return gate_invariants_of_checkpoint(path)
+    built in memory), else streamed from its checkpoint (``vma.target_weights``), so that Gate-IA loads neither
+    model."""
+    with target_weights(target, side) as w:
+        return gate_invariants(w)
 
 
 def block_leverages(q: Tensor, num_heads: int, eps: float = 1e-12) -> Tensor:

@@ -27,8 +27,9 @@ estimate vocabulary-level recovery (``vocab_recovery_sampled``; the sample size 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -39,54 +40,165 @@ from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer
 
 Tensor = torch.Tensor
 
-# --- reading weights from a Hugging Face causal LM (plain or obfuscated: same layout) ---------------------------
+# --- reading weights by role: from a loaded model, or streamed from its checkpoint ---------------------------------
 
 
 def _w(module) -> Tensor:
     return module.weight.detach().to(torch.float32)
 
 
+class ModelWeights:
+    """The weights of a loaded Hugging Face causal LM (plain or obfuscated: same layout) by role, float32
+    (``runtime.modules``; ``get`` gives None for a role the model lacks)."""
+
+    _GLOBAL = {"embed": "embed", "head": "head", "final_norm": "final_norm"}
+    _LAYER = ("attn_norm", "ffn_norm", "q", "k", "q_norm", "gate", "up", "down", "router")
+
+    def __init__(self, model):
+        self.model, self.mods = model, ModelModules(model)
+        cfg = model.config
+        self.num_layers = len(self.mods)
+        self.num_heads, self.num_kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+
+    def _module(self, role: str, layer: int | None):
+        if layer is None:
+            return getattr(self.mods, self._GLOBAL[role])
+        if role not in self._LAYER:
+            raise KeyError(f"no layer role {role!r}")
+        return getattr(self.mods.layer(layer), role)
+
+    def rows(self, role: str) -> int:
+        return int(self._module(role, None).weight.shape[0])
+
+    def has(self, role: str, layer: int | None = None) -> bool:
+        return self._module(role, layer) is not None
+
+    def get(self, role: str, layer: int | None = None) -> Tensor | None:
+        m = self._module(role, layer)
+        return None if m is None else _w(m)
+
+    def close(self) -> None:
+        pass
+
+
+class CheckpointWeights:
+    """The same roles read from a checkpoint (a Hugging Face directory or a .gguf file) tensor by tensor
+    (``obfuscation.checkpoint.open_checkpoint``), float32 on ``device``, no model built: the same numbers as
+    ``ModelWeights`` of the loaded model. A tied head is the embedding (no ``lm_head`` stored, or the config ties
+    them); an architecture the reader does not know is refused when it opens."""
+
+    def __init__(self, path, device: torch.device | str = "cpu"):
+        from ..obfuscation.checkpoint import open_checkpoint
+
+        self.ck = open_checkpoint(path)
+        self.device = torch.device(device)
+        cfg = self.ck.config
+        self.num_layers = self.ck.num_layers
+        self.num_heads = int(cfg["num_attention_heads"])
+        self.num_kv_heads = int(cfg.get("num_key_value_heads") or self.num_heads)
+        self.tied = cfg.get("tie_word_embeddings") is True or not self.has("head")
+
+    def _role(self, role: str) -> str:
+        return "embed" if role == "head" and getattr(self, "tied", False) else role
+
+    def has(self, role: str, layer: int | None = None) -> bool:
+        from ..obfuscation.checkpoint import CheckpointError
+
+        try:
+            return self.ck.has(self._role(role), layer)
+        except CheckpointError:  # a role this checkpoint format does not name (a router in a dense GGUF)
+            return False
+
+    def rows(self, role: str) -> int:
+        return int(self.ck.tensor_shape(self.ck.name_of(self._role(role)))[0])
+
+    def get(self, role: str, layer: int | None = None) -> Tensor | None:
+        if not self.has(role, layer):
+            return None
+        return self.ck.get(self._role(role), layer, dtype=torch.float32).to(self.device)
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+def as_weights(model_or_weights):
+    """``ModelWeights`` of a loaded model; a weights reader as it is."""
+    return model_or_weights if isinstance(model_or_weights, (ModelWeights, CheckpointWeights)) \
+        else ModelWeights(model_or_weights)
+
+
+def streamed_checkpoint(target: AttackTarget, side: str):
+    """The checkpoint of one side ('plain' or 'obf') of ``target`` to stream its weights from, or None to read the
+    model: when it is loaded already (or was built in memory), or the source is no checkpoint on disk."""
+    attr, path = ("plain_model", target.plain_src) if side == "plain" else ("obf_model", target.obfuscated_dir)
+    if attr in target.__dict__ or not (path.is_file() or (path / "config.json").is_file()):
+        return None
+    return path
+
+
+@contextmanager
+def target_weights(target: AttackTarget, side: str):
+    """The weights of one side of ``target`` by role: streamed from its checkpoint one tensor at a time when it is
+    not loaded (``streamed_checkpoint``), else read from the model; on ``target.device``."""
+    path = streamed_checkpoint(target, side)
+    w = as_weights(getattr(target, "plain_model" if side == "plain" else "obf_model")) if path is None \
+        else CheckpointWeights(path, target.device)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
 def embed_matrix(model) -> Tensor:
-    return _w(ModelModules(model).embed)
+    return as_weights(model).get("embed")
 
 
 def head_matrix(model) -> Tensor:
     """Head rows with the final RMSNorm weight fused (what multiplies the normalised last hidden state)."""
-    mods = ModelModules(model)
-    return _w(mods.head) * _w(mods.final_norm)[None, :]
+    w = as_weights(model)
+    return w.get("head") * w.get("final_norm")[None, :]
 
 
 def num_layers(model) -> int:
-    return len(ModelModules(model))
+    return as_weights(model).num_layers
 
 
 def mlp_readers(model, i: int) -> dict[str, Tensor]:
     """Dense FFN weights of layer i, RMSNorm weight fused into the readers: gate/up (ffn, width), down (width, ffn),
     and the MoE router (experts, width) when the layer has one. Empty for layers without them."""
-    layer = ModelModules(model).layer(i)
-    norm = _w(layer.ffn_norm)
+    w = as_weights(model)
     out: dict[str, Tensor] = {}
-    if layer.gate is not None:
-        out["gate"] = _w(layer.gate) * norm[None, :]
-        out["up"] = _w(layer.up) * norm[None, :]
-        out["down"] = _w(layer.down)
-    if layer.router is not None:
-        out["router"] = _w(layer.router) * norm[None, :]
+    has_gate, has_router = w.has("gate", i), w.has("router", i)
+    if not (has_gate or has_router):
+        return out
+    norm = w.get("ffn_norm", i)
+    if has_gate:
+        out["gate"] = w.get("gate", i) * norm[None, :]
+        out["up"] = w.get("up", i) * norm[None, :]
+        out["down"] = w.get("down", i)
+    if has_router:
+        out["router"] = w.get("router", i) * norm[None, :]
     return out
+
+
+def has_qk_bilinear(model, i: int) -> bool:
+    """Whether layer i's attention score is a bilinear form of the tokens (plain q/k projections, no per-head q/k
+    norms: Qwen3's make it non-bilinear; MLA has no q projection)."""
+    w = as_weights(model)
+    return w.has("q", i) and not w.has("q_norm", i)
 
 
 def qk_bilinear(model, i: int) -> Tensor | None:
     """M = sum over query heads h of Wq_h^T Wk_kv(h) (width x width), norm fused: the attention score of two
     tokens at RoPE offset 0 is x M y^T. None when the layer has per-head q/k norms (Qwen3), which make it
-    non-bilinear."""
-    layer = ModelModules(model).layer(i)
-    if layer.q is None or layer.q_norm is not None:
+    non-bilinear. (q/k biases, Qwen2's, are not read: the form is of the weights.)"""
+    w = as_weights(model)
+    if not has_qk_bilinear(w, i):
         return None
-    cfg = model.config
-    nh, nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    norm = _w(layer.attn_norm)
-    wq = _w(layer.q) * norm[None, :]
-    wk = _w(layer.k) * norm[None, :]
+    nh, nkv = w.num_heads, w.num_kv_heads
+    norm = w.get("attn_norm", i)
+    wq = w.get("q", i) * norm[None, :]
+    wk = w.get("k", i) * norm[None, :]
     dh = wq.shape[0] // nh
     wk_rep = wk.reshape(nkv, dh, -1).repeat_interleave(nh // nkv, dim=0).reshape(nh * dh, -1)
     return wq.T @ wk_rep
@@ -160,30 +272,92 @@ def candidate_signatures(target: AttackTarget, src: Source, sketch: int) -> Tens
                        lambda: signatures(src, None, sketch))
 
 
-def vma_sources(model, products: tuple[str, ...], layers: list[int], qk_layers: list[int]) -> list[Source]:
-    """The paper's weight combinations for one model (plain or obfuscated), in a fixed order."""
-    emb = embed_matrix(model)
-    g_emb = gram(emb)
-    out: list[Source] = []
-    if "embed.head" in products:
-        out.append(Source("embed.head", None, emb, head_matrix(model).T, False, g_emb))
-    for i in qk_layers:
-        m = qk_bilinear(model, i)
-        if m is not None and "embed.qk" in products:
-            out.append(Source("embed.qk", i, emb, m @ emb.T, False, g_emb))
-    head = head_matrix(model) if "down.head" in products else None
-    g_head = gram(head) if head is not None else None
+def source_plan(model, products: tuple[str, ...], layers: list[int], qk_layers: list[int]
+                ) -> list[tuple[str, int | None]]:
+    """(name, layer) of the paper's weight combinations one model (plain or obfuscated) exposes, in the fixed order
+    ``iter_sources`` yields them; from which tensors exist, none read."""
+    w = as_weights(model)
+    out: list[tuple[str, int | None]] = [("embed.head", None)] if "embed.head" in products else []
+    out += [("embed.qk", i) for i in qk_layers if "embed.qk" in products and has_qk_bilinear(w, i)]
     for i in layers:
-        r = mlp_readers(model, i)
-        if "gate" in r and "embed.gate" in products:
-            out.append(Source("embed.gate", i, emb, r["gate"].T, True, g_emb))
-        if "up" in r and "embed.up" in products:
-            out.append(Source("embed.up", i, emb, r["up"].T, True, g_emb))
-        if "down" in r and head is not None:
-            out.append(Source("down.head", i, head, r["down"], True, g_head))
-        if "router" in r and "embed.router" in products:
-            out.append(Source("embed.router", i, emb, r["router"].T, True, g_emb))
+        if w.has("gate", i):
+            out += [(p, i) for p in ("embed.gate", "embed.up", "down.head") if p in products]
+        if w.has("router", i) and "embed.router" in products:
+            out.append(("embed.router", i))
     return out
+
+
+def iter_sources(model, products: tuple[str, ...], layers: list[int], qk_layers: list[int]) -> Iterator[Source]:
+    """The sources of ``source_plan``, one at a time: the embedding (and the head, when a product uses it) are held
+    throughout, each layer's weights only while its sources are used, so a checkpoint (``CheckpointWeights``)
+    is read in the memory of those matrices and one layer's, never the model's."""
+    w = as_weights(model)
+    emb = w.get("embed")
+    g_emb = gram(emb)
+    head = head_matrix(w) if ("embed.head" in products or "down.head" in products) else None
+    if "embed.head" in products:
+        yield Source("embed.head", None, emb, head.T, False, g_emb)
+    if "embed.qk" in products:
+        for i in qk_layers:
+            m = qk_bilinear(w, i)
+            if m is not None:
+                yield Source("embed.qk", i, emb, m @ emb.T, False, g_emb)
+            del m
+    g_head = gram(head) if "down.head" in products else None
+    for i in layers:
+        r = mlp_readers(w, i)
+        if "gate" in r and "embed.gate" in products:
+            yield Source("embed.gate", i, emb, r["gate"].T, True, g_emb)
+        if "up" in r and "embed.up" in products:
+            yield Source("embed.up", i, emb, r["up"].T, True, g_emb)
+        if "down" in r and head is not None and "down.head" in products:
+            yield Source("down.head", i, head, r["down"], True, g_head)
+        if "router" in r and "embed.router" in products:
+            yield Source("embed.router", i, emb, r["router"].T, True, g_emb)
+        del r
+
+
+def vma_sources(model, products: tuple[str, ...], layers: list[int], qk_layers: list[int]) -> list[Source]:
+    """The paper's weight combinations for one model (plain or obfuscated), in a fixed order, all held at once
+    (``iter_sources`` yields them one at a time)."""
+    return list(iter_sources(model, products, layers, qk_layers))
+
+
+def source_signatures(target: AttackTarget, products: tuple[str, ...], layers: list[int], qk_layers: list[int],
+                      sketch: int, queries: np.ndarray, log: Callable[[str], None] | None = None
+                      ) -> tuple[list[str], list[Tensor], list[Tensor]]:
+    """(source names, plaintext signatures of every row, obfuscated signatures of the ``queries`` rows), source by
+    source, one side after the other (``target_weights``: each side streamed from its checkpoint unless its model
+    is loaded). Refused before any product when the two sides differ in vocabulary or in the sources they expose
+    (architecture mismatch)."""
+    with target_weights(target, "plain") as wp, target_weights(target, "obf") as wo:
+        n, n_obf = wp.rows("embed"), wo.rows("embed")
+        if n_obf != n:
+            raise ValueError(f"vocabulary sizes differ: plain {n}, obfuscated {n_obf}")
+        plan = source_plan(wp, products, layers, qk_layers)
+        if plan != source_plan(wo, products, layers, qk_layers):
+            raise ValueError("plain and obfuscated models expose different weight combinations (architecture "
+                             "mismatch)")
+    if not plan:
+        raise ValueError(f"no VMA weight combination available for products {products}")
+    names = [f"{nm}@{i}" if i is not None else nm for nm, i in plan]
+    cand: list[Tensor] = []
+    qry: list[Tensor] = []
+    with target_weights(target, "plain") as wp:
+        for j, src in enumerate(iter_sources(wp, products, layers, qk_layers)):
+            stage(f"weight signatures {j + 1}/{2 * len(plan)} (public model)")
+            cand.append(candidate_signatures(target, src, sketch))
+            del src
+    with target_weights(target, "obf") as wo:
+        for j, src in enumerate(iter_sources(wo, products, layers, qk_layers)):
+            stage(f"weight signatures {len(plan) + j + 1}/{2 * len(plan)} (obfuscated model)")
+            qry.append(signatures(src, torch.from_numpy(queries).to(src.left.device), sketch))
+            del src
+            if log:
+                log(f"VMA source {names[j]} ready")
+    if [len(cand), len(qry)] != [len(plan)] * 2:  # iter_sources follows source_plan: a mismatch is a bug
+        raise RuntimeError(f"VMA built {len(cand)} / {len(qry)} sources for a plan of {len(plan)}")
+    return names, cand, qry
 
 
 # --- matching --------------------------------------------------------------------------------------------------
@@ -290,31 +464,15 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
             log: Callable[[str], None] | None = None) -> AttackResult:
     cfg = dict(VMA_BUDGETS.get(budget.name, VMA_BUDGETS["full"]))
     cfg.update(config or {})
-    stage("loading both models")
-    plain, obf = target.plain_model, target.obf_model
-    n = embed_matrix(plain).shape[0]
-    if embed_matrix(obf).shape[0] != n:
-        raise ValueError(f"vocabulary sizes differ: plain {n}, obfuscated {embed_matrix(obf).shape[0]}")
-    L = num_layers(plain)
+    stage("reading the weights")
+    with target_weights(target, "plain") as wp:
+        n, L = wp.rows("embed"), wp.num_layers
     layers = spread_layers(L, cfg["mlp_layers"])
     qk_layers = spread_layers(L, cfg["qk_layers"])
     prods = tuple(p for p in products if p != "embed.head" or cfg["embed_head"])
     observed = data.observed(target)
     queries, sampled = query_ids(observed, n, cfg["vocab_sample"], seed)
-    q_t = torch.from_numpy(queries).to(embed_matrix(obf).device)
-    srcs_p = vma_sources(plain, prods, layers, qk_layers)
-    srcs_o = vma_sources(obf, prods, layers, qk_layers)
-    if [(s.name, s.layer) for s in srcs_p] != [(s.name, s.layer) for s in srcs_o]:
-        raise ValueError("plain and obfuscated models expose different weight combinations (architecture mismatch)")
-    if not srcs_p:
-        raise ValueError(f"no VMA weight combination available for products {prods}")
-    cand, qry = [], []
-    for j, (sp, so) in enumerate(zip(srcs_p, srcs_o)):
-        stage(f"weight signatures {j + 1}/{len(srcs_p)}")
-        cand.append(candidate_signatures(target, sp, cfg["sketch"]))
-        qry.append(signatures(so, q_t, cfg["sketch"]))
-        if log:
-            log(f"VMA source {sp.name} layer {sp.layer} ready")
+    names, cand, qry = source_signatures(target, prods, layers, qk_layers, cfg["sketch"], queries, log)
     stage("matching")
     fused, per_source, summed, keep = vote_match(qry, cand)
 
@@ -324,7 +482,6 @@ def run_vma(target: AttackTarget, data: PrivateData, budget: Budget, seed: int =
     scores.pop("vocab_recovery", None)  # only the queried ids are mapped: report the sampled estimate instead
     truth = np.argsort(target.true_permutation())[queries]  # scoring only
     in_sample = np.isin(queries, sampled)
-    names = [f"{s.name}@{s.layer}" if s.layer is not None else s.name for s in srcs_p]
     scores["vocab_recovery_sampled"] = float((fused[in_sample] == truth[in_sample]).mean())
     scores["vocab_recovery_sampled_sum_fusion"] = float((summed[in_sample] == truth[in_sample]).mean())
     scores["per_source_vocab_recovery"] = {nm: float((per_source[j][in_sample] == truth[in_sample]).mean())

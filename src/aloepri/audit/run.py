@@ -195,23 +195,11 @@ def parameters(key: KeyFile) -> dict[str, Any]:
 
 
 def private_prompts(target, n: int, seed: int, has_tok: bool):
-    """(PrivateData, description). Faker PII prompts through the public tokenizer; without a tokenizer (test
-    checkpoints) seeded random ids (no PII mask: PIIRSR is then not measured)."""
-    import numpy as np
+    """(PrivateData, description): ``aloepri attack``'s victim prompts (``attacks.cli.victim_prompts``: Faker PII
+    prompts through the public tokenizer; without one, seeded random ids and no PII mask)."""
+    from ..attacks.cli import victim_prompts
 
-    from ..attacks.base import PrivateData
-    from ..attacks.cli import private_data
-
-    if has_tok:
-        data = private_data(target.tokenizer, n, seed)
-        kind = "Faker PII prompts in realistic templates (aloepri.attacks.data)"
-    else:
-        rng = np.random.default_rng(seed)
-        ids = [rng.integers(16, target.vocab_size, size=16).tolist() for _ in range(n)]
-        data = PrivateData([""] * n, ids, [[False] * 16 for _ in ids])
-        kind = "random token ids (the plaintext model ships no tokenizer; PII recovery not measured)"
-    return data, {"kind": kind, "count": len(data.plain_ids), "seed": seed,
-                  "tokens": sum(map(len, data.plain_ids)), "pii_tokens": sum(sum(m) for m in data.pii_mask)}
+    return victim_prompts(target, n, seed, has_tok)
 
 
 def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[str, Any]:
