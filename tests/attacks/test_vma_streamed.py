@@ -51,6 +51,20 @@ def test_streamed_sources_equal_the_loaded_models(tiny_dir, obfuscated, arch):
         assert torch.equal(a, b) and torch.equal(c, d), name
 
 
+def test_ridge_rows_streamed_equal_the_loaded_models(tiny_dir, obfuscated):
+    """The embedding and head rows the ridge attacks and the composed attack match (a tied plaintext head is the
+    embedding; the obfuscated head is its own), streamed, are the loaded models' rows."""
+    from aloepri.attacks.frequency import row_spaces
+
+    out, _ = obfuscated("llama")
+    streamed, loaded = _targets(tiny_dir("llama"), out, out.parent / "key.json")
+    a, b = row_spaces(streamed), row_spaces(loaded)
+    assert "plain_model" not in streamed.__dict__ and "obf_model" not in streamed.__dict__
+    for x, y in zip(a.obf + a.plain, b.obf + b.plain):
+        assert x.dtype == y.dtype == np.float32 and np.array_equal(x, y)
+    assert np.array_equal(a.plain[0], a.plain[1]) and not np.array_equal(a.obf[0], a.obf[1])
+
+
 def test_streamed_vma_is_the_in_memory_attack_and_reads_only_its_tensors(tmp_path, monkeypatch):
     """The whole attack, streamed and in memory, gives the same result; streamed, it reads the embedding, the head,
     the final norm and the ffn weights of the layers its budget picks (ci: the first and last of 4), nothing else."""

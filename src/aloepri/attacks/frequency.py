@@ -179,23 +179,25 @@ class RowSpaces:
 
 def row_spaces(target: AttackTarget, use: Sequence[str] = ("embed", "head")) -> RowSpaces:
     """The public rows the attacker matches: input embedding and LM head, obfuscated and plaintext. A tied
-    plaintext head is the embedding (the obfuscated head is still separate: independent noise and key)."""
-
-    def rows(model, which: str) -> np.ndarray:
-        m = model.get_input_embeddings() if which == "embed" else model.get_output_embeddings()
-        return m.weight.detach().to(device="cpu", dtype=torch.float32).numpy()  # the ridge maps run in numpy
-
+    plaintext head is the embedding (the obfuscated head is still separate: independent noise and key). Read from
+    the models when they are loaded, else streamed from the checkpoints (``vma.target_weights``)."""
     bad = set(use) - {"embed", "head"}
     if bad or not use:
         raise ValueError(f"use must be a non-empty subset of ('embed', 'head'); got {use}")
     # once per target (AttackTarget.memo): the ridge attacks and the composed behavioural attack share the rows
     # and their plaintext index
-    return target.memo(("row_spaces", tuple(use)), lambda: _row_spaces(target, use, rows))
+    return target.memo(("row_spaces", tuple(use)), lambda: _row_spaces(target, use))
 
 
-def _row_spaces(target: AttackTarget, use: Sequence[str], rows: Callable) -> RowSpaces:
-    obf = [rows(target.obf_model, w) for w in use]
-    plain = [rows(target.plain_model, w) for w in use]
+def _row_spaces(target: AttackTarget, use: Sequence[str]) -> RowSpaces:
+    from .vma import target_weights
+
+    def rows(side: str) -> list[np.ndarray]:
+        with target_weights(target, side) as w:  # the ridge maps run in numpy, on the CPU
+            return [w.get(which).to("cpu").numpy() for which in use]
+
+    obf = rows("obf")
+    plain = rows("plain")
     if obf[0].shape[0] != plain[0].shape[0]:
         raise ValueError(f"vocabulary sizes differ: obfuscated {obf[0].shape[0]} vs plaintext {plain[0].shape[0]}")
     return RowSpaces(obf, plain, list(use))
