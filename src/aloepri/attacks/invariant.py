@@ -25,10 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.modules import ModelModules
 from .base import AttackResult, AttackTarget, Budget, PrivateData, register_variant
-from .vma import CheckpointWeights, _w, as_weights, embed_matrix, match_features, num_layers, spread_layers, \
-    target_weights
+from .vma import CheckpointWeights, as_weights, match_features, spread_layers, target_weights
 
 Tensor = torch.Tensor
 
@@ -98,29 +96,36 @@ def block_leverages(q: Tensor, num_heads: int, eps: float = 1e-12) -> Tensor:
     return (ginv[..., 0, 0] * a * a + (ginv[..., 0, 1] + ginv[..., 1, 0]) * a * b + ginv[..., 1, 1] * b * b).float()
 
 
-def attn_invariants(model, layers: list[int], sort_within_layer: bool) -> Tensor:
-    """(n, features): log leverages of every (layer, head, RoPE block); sorted within each layer if asked."""
-    emb = embed_matrix(model)
-    nh = int(model.config.num_attention_heads)
+def attn_invariants(model, layers: list[int], sort_within_layer: bool, emb: Tensor | None = None) -> Tensor:
+    """(n, features): log leverages of every (layer, head, RoPE block); sorted within each layer if asked.
+    ``model``: a loaded model or a weights reader (``vma.CheckpointWeights``); ``emb``: its embedding, when
+    already read."""
+    w = as_weights(model)
+    emb = w.get("embed") if emb is None else emb
     feats = []
-    mods = ModelModules(model)
     for i in layers:
-        layer = mods.layer(i)
-        if layer.q is None or layer.q_norm is not None:
+        if not w.has("q", i) or w.has("q_norm", i):
             raise ValueError("Attn-IA needs plain q_proj attention without per-head q norms (not MLA / Qwen3)")
-        wq = _w(layer.q) * _w(layer.attn_norm)[None, :]
-        lev = block_leverages(emb @ wq.T, nh).reshape(emb.shape[0], -1)
+        wq = w.get("q", i) * w.get("attn_norm", i)[None, :]
+        lev = block_leverages(emb @ wq.T, w.num_heads).reshape(emb.shape[0], -1)
         lev = lev.clamp_min(1e-30).log()
         feats.append(torch.sort(lev, dim=1).values if sort_within_layer else lev)
     return torch.cat(feats, dim=1)
 
 
 def target_attn_invariants(target: AttackTarget, side: str, layers: list[int], sort_within_layer: bool) -> Tensor:
-    """``attn_invariants`` of one side ('plain' or 'obf') of ``target``; the leverages are computed once per target
-    (``AttackTarget.memo``), so attn-ia and attn-ia-sorted share them."""
-    model = target.plain_model if side == "plain" else target.obf_model
-    per_layer = [target.memo(("attn_invariants", side, i), lambda i=i: attn_invariants(model, [i], False))
-                 for i in layers]
+    """``attn_invariants`` of one side ('plain' or 'obf') of ``target`` (streamed from its checkpoint unless its model
+    is loaded: ``vma.target_weights``); the leverages are computed once per target (``AttackTarget.memo``), so
+    attn-ia and attn-ia-sorted share them."""
+    with target_weights(target, side) as w:
+        emb: list[Tensor] = []  # read once, on the first layer not computed yet
+
+        def layer(i: int) -> Tensor:
+            if not emb:
+                emb.append(w.get("embed"))
+            return attn_invariants(w, [i], False, emb[0])
+
+        per_layer = [target.memo(("attn_invariants", side, i), lambda i=i: layer(i)) for i in layers]
     return torch.cat([torch.sort(f, dim=1).values if sort_within_layer else f for f in per_layer], dim=1)
 
 
@@ -139,7 +144,8 @@ def run_gate_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: i
 def run_attn_ia(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0,
                 sort_within_layer: bool = False) -> AttackResult:
     cfg = IA_BUDGETS.get(budget.name, IA_BUDGETS["full"])
-    layers = spread_layers(num_layers(target.plain_model), cfg["attn_layers"])
+    with target_weights(target, "plain") as w:
+        layers = spread_layers(w.num_layers, cfg["attn_layers"])
     plain_f, obf_f = (target_attn_invariants(target, side, layers, sort_within_layer) for side in ("plain", "obf"))
     queries, sampled, _, scores = match_features(target, data, plain_f, obf_f, cfg["vocab_sample"], seed)
     name = "attn-ia-sorted" if sort_within_layer else "attn-ia"

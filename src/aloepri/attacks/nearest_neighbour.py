@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .base import AttackResult, AttackTarget, Budget, PrivateData, register
-from .vma import embed_matrix, match_features
+from .vma import match_features, target_weights
 
 NN_BUDGETS = {"ci": {"vocab_sample": 256}, "small": {"vocab_sample": 1024}, "full": {"vocab_sample": 4096}}
 
@@ -33,8 +33,10 @@ def pad_columns(m: torch.Tensor, width: int) -> torch.Tensor:
 
 def run_nn(target: AttackTarget, data: PrivateData, budget: Budget, seed: int = 0) -> AttackResult:
     cfg = NN_BUDGETS.get(budget.name, NN_BUDGETS["full"])
-    obf = embed_matrix(target.obf_model)
-    plain = pad_columns(embed_matrix(target.plain_model), obf.shape[1])
+    with target_weights(target, "obf") as w:  # streamed from the checkpoints unless the models are loaded
+        obf = w.get("embed")
+    with target_weights(target, "plain") as w:
+        plain = pad_columns(w.get("embed"), obf.shape[1])
     n = plain.shape[0]
     queries, sampled, _, scores = match_features(target, data, plain, obf, cfg["vocab_sample"], seed)
     return AttackResult(
