@@ -51,8 +51,10 @@ class AttackTarget:
     stored only when two float32 models would crowd the memory (``float32_copy_crowds``); True / False force it.
 
     ``engine`` (aloepri.attacks.engines.ENGINES; ``engine_why``: how it was chosen, in words): how the attacks that
-    run the models run them (``engines()``); the attacks that read weights or hidden states use the torch models
-    (``plain_model``, ``obf_model``) whatever the engine."""
+    run the models run them (``engines()``); the attacks that read hidden states use the torch models
+    (``plain_model``, ``obf_model``) whatever the engine, and those that read only weights (VMA, Gate-IA, Attn-IA,
+    NN, the ridge rows) stream the tensors they use from the checkpoints unless a model is loaded
+    (``vma.target_weights``)."""
 
     def __init__(self, plain_src: str | Path, obfuscated_dir: str | Path, key: KeyFile | str | Path | None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
