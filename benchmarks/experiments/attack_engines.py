@@ -10,10 +10,16 @@ made before the timed runs (their export seconds are stored apart: a provider ha
 
 The checkpoints are the cached targets of ``llamacpp_quantized`` (the same seed and output dtype), so the figures
 sit beside that experiment's fidelity rows. Entries ``PRESET/ENGINE``.
+
+``ALOEPRI_BENCH_ONLY=PRESET[/ENGINE],...`` (environment) makes one invocation fill only those entries of the
+config (a preset: its three engines; ``PRESET/ENGINE``: that one), so that a run under the shared heavy-run lock
+can leave it between entries (one preset of SmolLM2 is ~10 min, one engine of the 0.5B model more). It chooses
+which entries this run fills, not what they mean, so it is not a setting.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,12 +27,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..lib import ResultStore
+from ..lib import ResultStore, UsageError
 from ..lib.models import model_path
 from ..lib.provenance import REPO
 from ..lib.variants import preset_params
 
 ATTACKS = ("behavioural", "behavioural-composed")
+ONLY_ENV = "ALOEPRI_BENCH_ONLY"
 
 
 @dataclass(frozen=True)
@@ -57,12 +64,27 @@ def _child(argv: list[str], work: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _entries_now(s: Settings) -> list[tuple[str, str]]:
+    """(preset, engine) of the entries this invocation may fill: all of the config's, or those ``ONLY_ENV`` names."""
+    every = [(p, e) for p in s.presets for e in s.engines]
+    raw = os.environ.get(ONLY_ENV, "").strip()
+    if not raw:
+        return every
+    asked = [x.strip() for x in raw.split(",") if x.strip()]
+    unknown = [x for x in asked if x not in s.presets and tuple(x.rsplit("/", 1)) not in every]
+    if unknown:
+        raise UsageError(f"{ONLY_ENV}: {', '.join(unknown)} is not a preset or PRESET/ENGINE of this config "
+                         f"(presets {', '.join(s.presets)}; engines {', '.join(s.engines)})")
+    return [(p, e) for p, e in every if p in asked or f"{p}/{e}" in asked]
+
+
 def run(s: Settings, store: ResultStore) -> None:
     from aloepri.attacks.engines import TORCH, engine_files
 
     src = model_path(s.model)
-    for preset in s.presets:
-        todo = [e for e in s.engines if not store.has(f"{preset}/{e}")]
+    chosen = _entries_now(s)
+    for preset in dict.fromkeys(p for p, _ in chosen):
+        todo = [e for p, e in chosen if p == preset and not store.has(f"{preset}/{e}")]
         if not todo:
             continue
         t = _target(s, src, preset)
@@ -85,6 +107,10 @@ def run(s: Settings, store: ResultStore) -> None:
                 m, b = r["metrics"], r["budget"]
                 attacks[r["attack"]] = {"ttrsr": r["ttrsr"], "piirsr": r["piirsr"],
                                         "vocab_recovery": m.get("vocab_recovery"),
+                                        # the composed attack's behavioural stage alone (before the weights' ridge)
+                                        "before_ridge": m.get("before_ridge"),
+                                        "confident_fraction": m.get("confident_fraction"),
+                                        "vocab_recovery_confident_only": m.get("vocab_recovery_confident_only"),
                                         "tokens_scored": m.get("tokens_scored"),
                                         "pii_tokens_scored": m.get("pii_tokens_scored"),
                                         "seconds": round(r["seconds"], 1), "peak_rss_gib": b.get("peak_rss_gib"),
@@ -105,34 +131,63 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _engine_cell(e: dict, attacks: dict) -> str:
+    """The engine, and the type both models were served at where it is not the one asked for (an output whose rows
+    cannot be cut into 32-value blocks is served at f16)."""
+    engine = e["engine"]
+    served = {(a.get("engine") or {}).get("precision") for a in attacks.values() if a} - {None}
+    asked = engine.partition("-")[2]
+    if engine != "torch" and served and served != {asked}:
+        return f"{engine} (served at {', '.join(sorted(served))})"
+    return engine
+
+
+def _below(a: dict, r: dict) -> list[str]:
+    """Where the engine reads more than 1 point less than float32 and float32 reads 99% or more."""
+    out = []
+    for key, label in (("ttrsr", "prompt"), ("piirsr", "PII")):
+        if a.get(key) is not None and r.get(key) is not None and r[key] >= 0.99 and a[key] < r[key] - 0.01:
+            out.append(f"{label} {_pct(a[key])}% against {_pct(r[key])}%")
+    return out
+
+
 def report(store: ResultStore) -> str:
     entries = store.entries()
     settings = store.load()["settings"]
     if not entries:
         return "(nothing measured yet)"
     names = settings["attacks"].split(",")
+    stage = "behavioural-composed" in names  # its behavioural stage alone, before the weights' ridge
     head = " | ".join(f"{n} TTRSR / PIIRSR (%)" for n in names)
-    out = [f"| model | preset | engine | {head} | wall | CPU | peak RSS |",
-           "|---|---|---|" + "---|" * len(names) + "---|---|---|"]
-    notes = []
+    out = [f"| model | preset | engine | {head} |" + (" behavioural stage alone: TTRSR / vocabulary (%) |" if stage
+                                                     else "") + " wall | CPU | peak RSS |",
+           "|---|---|---|" + "---|" * (len(names) + stage) + "---|---|---|"]
+    notes, compared = [], 0
     by_preset: dict[str, dict[str, dict]] = {}
     for e in entries.values():
         by_preset.setdefault(e["preset"], {})[e["engine"]] = e
     for preset, rows in by_preset.items():
         ref = rows.get("torch")
-        for engine, e in rows.items():
+        for engine in [x for x in settings["engines"] if x in rows] + [x for x in rows if x not in settings["engines"]]:
+            e = rows[engine]
             cells = []
             for n in names:
                 a = e["attacks"].get(n)
                 cells.append("-" if a is None else f"{_pct(a['ttrsr'])} / {_pct(a['piirsr'])}")
                 r = ref and ref["attacks"].get(n)
-                if a and r and engine != "torch" and r["ttrsr"] >= 0.99 and a["ttrsr"] < r["ttrsr"] - 0.01:
-                    notes.append(f"{preset}, {n}: {engine} reads {_pct(a['ttrsr'])}% against float32's "
-                                 f"{_pct(r['ttrsr'])}%")
-            out.append(f"| {e['model']} | {preset} | {engine} | " + " | ".join(cells) +
+                if a and r and engine != "torch":
+                    compared += 1
+                    notes += [f"{preset}, {n}, {engine}: {x}" for x in _below(a, r)]
+            if stage:
+                b = (e["attacks"].get("behavioural-composed") or {}).get("before_ridge")
+                cells.append("-" if not b else f"{_pct(b.get('ttrsr'))} / {_pct(b.get('vocab_recovery'))}")
+            out.append(f"| {e['model']} | {preset} | {_engine_cell(e, e['attacks'])} | " + " | ".join(cells) +
                        f" | {e['wall_seconds']:.0f} s | {e['cpu_seconds']:.0f} s | {e['peak_rss_gib']:.2f} GiB |")
     if notes:
         out += ["", "More than 1 point below float32 where float32 reads 99% or more: " + "; ".join(notes) + "."]
+    elif compared:
+        out += ["", "Every engine reads within 1 point of float32 wherever float32 reads 99% or more (prompt and PII "
+                    "tokens)."]
     return "\n".join(out)
 
 
@@ -144,7 +199,8 @@ CONFIGS = {
     "smollm2": Settings(attacks="behavioural-composed"),
     # `paper` alone (where only the composed attack reads the prompts in float32), q8_0 against float32
     "smollm2-paper": Settings(presets=("paper",), engines=("torch", "llamacpp-q8_0"), attacks="behavioural-composed"),
-    "qwen-coder": Settings(model="qwen-coder"),
+    # the composed attack alone, as for SmolLM2 (ALOEPRI_BENCH_PRESETS=default,paper fills those rows first)
+    "qwen-coder": Settings(model="qwen-coder", attacks="behavioural-composed"),
     "qwen-coder-1.5b": Settings(model="qwen-coder-1.5b"),
     # a check that the path runs: one preset, the behavioural attack alone, two prompts
     "smoke": Settings(presets=("default",), attacks="behavioural", prompts=2),
