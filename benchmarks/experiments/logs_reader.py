@@ -65,6 +65,9 @@ class Settings:
     em_options: tuple[tuple[str, object], ...] = ()
     old_start_at: int = 10_000
     stream_tokens: int | None = None  # the stream built (its order depends on it): default the largest volume
+    # more keywords of decipher_logs for the log-reader entries and the victim-text control (``restarts``: more
+    # mean-field schedules, the likeliest polished map kept; "RESTARTS" stands for log_reader.RESTARTS)
+    search: tuple[tuple[str, object], ...] = ()
 
 
 def peak_rss_gib() -> float:
@@ -147,6 +150,7 @@ def run(s: Settings, store: ResultStore) -> None:
             big = volume >= 1_000_000
             search = {"temperatures": (1.0,), "block_rounds": 1, "anneal_steps": 10} if s.short_search else \
                 ({"block_rounds": 8, "anneal_steps": 100} if big else {})
+            search.update(_search_options(s))
             res = decipher_logs(observed, len(perm), ref, pre, post, init=init, seed=s.seed, progress=score,
                                 lm=lm if method == "log-reader-lm" else None, fresh=not big, **search)
             guess = res.obf_to_plain[flat]
@@ -162,6 +166,15 @@ def run(s: Settings, store: ResultStore) -> None:
         store.put(key, out)
         print(f"{key}: all {out['token_recovery']:.3f} user {out['user_text_recovery']:.3f} "
               f"pii {out['pii_recovery']} ({out['seconds']} s, peak {out['peak_rss_gib']} GiB)", flush=True)
+
+
+def _search_options(s: Settings) -> dict:
+    from aloepri.attacks.log_reader import RESTARTS
+
+    opts = dict(s.search)
+    if opts.get("restarts") == "RESTARTS":
+        opts["restarts"] = RESTARTS
+    return opts
 
 
 _LM: dict = {}
@@ -288,8 +301,12 @@ def report(store: ResultStore) -> str:
 SUMMARY = "the log reader (sparse decipherer) from 10^3 to 10^6 observed tokens, with peak memory (an hour or more)"
 CONFIGS = {
     "smollm2": Settings(),
-    **{f"smollm2-seed{k}": Settings(volumes=(1_000, 10_000, 100_000), old_at=(), controls_at=(), seed=k)
-       for k in (1, 2)},
+    "smollm2-seed1": Settings(volumes=(1_000, 10_000, 100_000), old_at=(), controls_at=(), seed=1),
+    # a third key at 10^3 and 10^4, with both controls
+    "smollm2-seed2": Settings(volumes=(1_000, 10_000), old_at=(), seed=2),
+    # the earlier decipher_stream at its registered defaults (30,000 candidates), where it fits: the column
+    "smollm2-old-defaults": Settings(volumes=(), old_at=(1_000, 10_000), old_max_candidates=30_000,
+                                     controls_at=(1_000,), stream_tokens=1_000_000),
     # 10^6 tokens with a short search, one reference per config (run side by side): the memory check
     **{f"smollm2-1e6-short-{r.replace('+', '-')}": Settings(volumes=(1_000_000,), references=(r,), old_at=(),
                                                            controls_at=(), short_search=True) for r in REFERENCES},
@@ -317,6 +334,10 @@ CONFIGS = {
     # a third key: the bigram search and the model's refinement on the same stream
     "smollm2-seed2-em": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), em_at=(1_000, 10_000), seed=2,
                                  em_rounds=2, em_options=(("sample_tokens", 5_000), ("digit_rounds", 4))),
+    # restarts: more mean-field schedules (per-id temperatures among them), each polished by block moves, the
+    # likeliest under the observer's bigram model kept (log_reader.RESTARTS); with both controls
+    "smollm2-restarts": Settings(volumes=(1_000, 10_000), old_at=(), search=(("restarts", "RESTARTS"),),
+                                 stream_tokens=1_000_000),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }
