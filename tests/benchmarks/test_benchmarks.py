@@ -316,3 +316,20 @@ def test_llamacpp_quantized_preset_specs_with_overrides():
     for bad in ("noisy+alpha_e", "noisy+alpha_e=x"):
         with pytest.raises(UsageError):
             preset_params(bad)
+
+
+def test_attack_engines_only_env_chooses_entries_and_refuses_unknown_ones(monkeypatch):
+    """ALOEPRI_BENCH_ONLY picks a preset's engines or one PRESET/ENGINE of the config; anything else is one
+    UsageError, and without it every entry of the config is run."""
+    from benchmarks.experiments.attack_engines import CONFIGS, ONLY_ENV, _entries_now
+    from benchmarks.lib import UsageError
+
+    s = CONFIGS["smollm2"]
+    monkeypatch.delenv(ONLY_ENV, raising=False)
+    assert _entries_now(s) == [(p, e) for p in s.presets for e in s.engines]
+    monkeypatch.setenv(ONLY_ENV, "paper/torch, noisy")
+    assert _entries_now(s) == [("noisy", e) for e in s.engines] + [("paper", "torch")]
+    for bad in ("exact", "paper/vllm", "noisy/"):
+        monkeypatch.setenv(ONLY_ENV, bad)
+        with pytest.raises(UsageError):
+            _entries_now(s)
