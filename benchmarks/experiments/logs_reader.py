@@ -68,6 +68,9 @@ class Settings:
     # more keywords of decipher_logs for the log-reader entries and the victim-text control (``restarts``: more
     # mean-field schedules, the likeliest polished map kept; "RESTARTS" stands for log_reader.RESTARTS)
     search: tuple[tuple[str, object], ...] = ()
+    # the digits as a unit on the maps other configs hold (``log-reader+digits`` entries: the first of these configs
+    # with a ``log-reader`` entry for the reference and volume, the same stream and key; ``digits_unit``)
+    digits_from: tuple[str, ...] = ()
 
 
 def peak_rss_gib() -> float:
@@ -82,10 +85,11 @@ def run(s: Settings, store: ResultStore) -> None:
     from aloepri.attacks.stream_decipher import decipher_stream, public_reference
     from aloepri.runtime.tokenizer import load_hf_tokenizer
 
-    keys = [f"log-reader/{r}/{v}" for r in s.references for v in s.volumes]
+    keys = [f"log-reader/{r}/{v}" for r in s.references for v in s.volumes if not s.digits_from]
     keys += [f"log-reader-lm/{r}/{v}" for r in s.references for v in s.lm_at]
     keys += [f"stream-decipher/{r}/{v}" for r in s.references for v in s.old_at]
     keys += [f"log-reader-em/{r}/{v}" for r in s.references for v in s.em_at]
+    keys += [f"log-reader+digits/{r}/{v}" for r in s.references for v in s.volumes if s.digits_from]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
     # by volume; the model's refinement after the search whose map it reads
     todo = sorted((k for k in keys if not store.has(k)),
@@ -123,7 +127,10 @@ def run(s: Settings, store: ResultStore) -> None:
                     "user_text_recovery": round(float(ok[~stream.template[sl]].mean()), 4),
                     "pii_recovery": round(float(ok[stream.pii[sl]].mean()), 4)}
 
-        if method == "log-reader-em":
+        if method == "log-reader+digits":
+            guess, extra = _digits_entry(s, store, ref_name, volume, observed, flat, tok, len(perm),
+                                         reference(ref_name), pre, post, score)
+        elif method == "log-reader-em":
             guess, extra = _em_entry(s, store, ref_name, volume, observed, flat, tok, len(perm), reference(ref_name),
                                      pre, post, score, lambda: _load_lm(s))
         elif key.startswith("control/random-mapping"):
@@ -174,7 +181,51 @@ def _search_options(s: Settings) -> dict:
     opts = dict(s.search)
     if opts.get("restarts") == "RESTARTS":
         opts["restarts"] = RESTARTS
+    if s.digits_from:  # the victim-text control reads the digits as a unit too
+        opts["digits"] = _digits(s)
     return opts
+
+
+def _digits(s: Settings) -> list[int]:
+    from aloepri.runtime.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(model_path(s.model))
+    return [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+
+
+def _digits_entry(s: Settings, store: ResultStore, ref_name: str, volume: int, observed, flat, tok, vocab: int,
+                  ref, pre, post, score) -> tuple[np.ndarray, dict]:
+    """One ``log-reader+digits`` entry: the map another config's bigram search ended on (the same stream and
+    key), then the digits as a unit (``decipher_logs(digits=...)``, from the reference alone; no other search).
+    ``parts``: the figures before and after."""
+    from aloepri.attacks.log_reader import decipher_logs
+
+    init, source = None, None
+    for cfg in s.digits_from:
+        other = ResultStore(store.experiment, cfg)
+        theirs = other.load().get("settings") or {}
+        same = theirs.get("model") == s.model and theirs.get("seed") == s.seed and \
+            (theirs.get("stream_tokens") or max(theirs.get("volumes", []) + theirs.get("lm_at", []) +
+                                                theirs.get("em_at", []))) == (s.stream_tokens or max(s.volumes)) and \
+            theirs.get("reference_tokens") == s.reference_tokens
+        key = f"log-reader/{ref_name}/{volume}"
+        if same and other.has(key):
+            held = other.entries()[key]["map"]
+            init, source = dict(zip(held["cipher"], held["plain"])), cfg
+            break
+    if init is None:
+        raise ValueError(f"no config of {s.digits_from} holds log-reader/{ref_name}/{volume} on this stream")
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    res = decipher_logs(observed, vocab, ref, pre, post, init=init, fresh=False, block_rounds=0, anneal_steps=0,
+                        seed=s.seed, digits=digits, progress=score)
+    figures = ("token_recovery", "user_text_recovery", "pii_recovery")
+    start = next(e for e in res.trace if e["stage"] == "warm start")
+    end = next(e for e in res.trace if e["stage"].startswith("digits as a unit"))
+    parts = {f"bigram search ({source})": {k: start[k] for k in figures},
+             "+ digits as a unit (reference)": {k: end[k] for k in figures}}
+    seen = np.unique(flat)
+    return res.obf_to_plain[flat], {"trace": res.trace, "anchors": res.anchors, "parts": parts, "start_from": source,
+                                    "map": {"cipher": seen.tolist(), "plain": res.obf_to_plain[seen].tolist()}}
 
 
 _LM: dict = {}
@@ -275,17 +326,19 @@ def render(entries: dict) -> str:
                      f"{e['peak_rss_gib']} |")
     parts = [k for k in sorted(entries, key=lambda k: (k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])))
              if entries[k].get("parts")]
-    if parts:  # what each part of the observer with the model adds (log-reader-em)
-        lines += ["", "| reference | tokens observed | part | all (%) | user text (%) | PII (%) | the model's "
-                  "log-likelihood per token |", "|---|---|---|---|---|---|---|"]
+    with_model = any("model_ll" in f for k in parts for f in entries[k]["parts"].values())
+    if parts:  # what each part adds (log-reader-em: the observer with the model; log-reader+digits: the digits)
+        lines += ["", "| reference | tokens observed | part | all (%) | user text (%) | PII (%) |" +
+                  (" the model's log-likelihood per token |" if with_model else ""),
+                  "|---|---|---|---|---|---|" + ("---|" if with_model else "")]
         for key in parts:
             e = entries[key]
             for name, f in e["parts"].items():
                 if name == "+ EM with the model" and not e.get("em_rounds"):
                     continue  # no EM round was run for this entry
                 lines.append(f"| {key.rsplit('/', 2)[1]} | {e['tokens_observed']:,} | {name} | "
-                             f"{pct(f['token_recovery'])} | {pct(f['user_text_recovery'])} | {pct(f['pii_recovery'])} | "
-                             f"{f['model_ll']:.3f} |")
+                             f"{pct(f['token_recovery'])} | {pct(f['user_text_recovery'])} | {pct(f['pii_recovery'])} |" +
+                             ((f" {f['model_ll']:.3f} |" if "model_ll" in f else " - |") if with_model else ""))
     return "\n".join(lines)
 
 
@@ -338,6 +391,13 @@ CONFIGS = {
     # likeliest under the observer's bigram model kept (log_reader.RESTARTS); with both controls
     "smollm2-restarts": Settings(volumes=(1_000, 10_000), old_at=(), search=(("restarts", "RESTARTS"),),
                                  stream_tokens=1_000_000),
+    # the digits as a unit (from the reference alone) on the bigram search's maps of smollm2 and of the 10^6 configs
+    # (the same stream and key), with both controls (the victim-text control reads its digits as a unit too)
+    "smollm2-digits": Settings(volumes=VOLUMES, old_at=(), stream_tokens=1_000_000,
+                               digits_from=("smollm2", "smollm2-1e6-short-public", "smollm2-1e6-short-public-domain")),
+    # the same on the maps of the search with restarts
+    "smollm2-restarts-digits": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), stream_tokens=1_000_000,
+                                        digits_from=("smollm2-restarts",)),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }

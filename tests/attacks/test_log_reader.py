@@ -315,3 +315,37 @@ def test_restarts_keep_the_likeliest_polished_start(traffic):
     # without restarts the stages are the search's usual ones
     plain_run = decipher_logs(observed, VOCAB, ref, PREFIX, SUFFIX, anneal_steps=0, block_rounds=2, seed=0)
     assert not any(e["stage"].startswith("restart") for e in plain_run.trace)
+
+
+def test_digits_unit_from_the_reference_puts_permuted_digits_back(traffic):
+    """Ten tokens taken as the 'digits', all ten permuted in the truth's map: read as a unit by their place after the
+    two preceding tokens in a reference of the traffic's language, they go back (positive control); with a
+    reference whose 'digits' are relabelled among themselves, the step follows that reference instead (negative
+    control: it reads the reference's structure, not the key). No other id moves."""
+    chain, plain, observed, perm = traffic
+    seen = np.unique(np.concatenate(observed))
+    inv = np.argsort(perm)
+    truth = {int(c): int(inv[c]) for c in seen}
+    counts = np.bincount(np.concatenate(plain), minlength=VOCAB)
+    counts[PREFIX + SUFFIX] = 0  # the template's tokens are anchors, not digits
+    digits = np.argsort(-counts)[5:15]
+    cyc = np.roll(digits, 3)  # every digit on another digit
+    permuted = dict(truth)
+    for d, e in zip(digits, cyc):
+        permuted[int(perm[d])] = int(e)
+    ref = markov_text(chain, 200, 100, 2)
+    res = decipher_logs(observed, VOCAB, ref, PREFIX, SUFFIX, init=permuted, fresh=False, block_rounds=0,
+                        anneal_steps=0, digits=digits.tolist())
+    start = decipher_logs(observed, VOCAB, ref, PREFIX, SUFFIX, init=truth, fresh=False, block_rounds=0,
+                          anneal_steps=0).obf_to_plain  # the truth as far as the candidates reach
+    assert all(res.obf_to_plain[c] == start[c] for c in truth) and (start[perm[digits]] == digits).all()
+    stage = next(e for e in res.trace if e["stage"] == "digits as a unit (reference)")
+    assert stage["digit_score"] > stage["digit_score_before"]
+    # the reference's digits relabelled among themselves: the step reads the relabelled structure
+    relabel = np.arange(VOCAB)
+    relabel[digits] = cyc
+    other = decipher_logs(observed, VOCAB, [relabel[s] for s in ref], PREFIX, SUFFIX, init=truth, fresh=False,
+                          block_rounds=0, anneal_steps=0, digits=digits.tolist())
+    got = np.array([other.obf_to_plain[perm[d]] for d in digits])
+    assert (got == digits).mean() < 0.2
+    assert all(other.obf_to_plain[c] == start[c] for c, p in truth.items() if p not in set(digits.tolist()))

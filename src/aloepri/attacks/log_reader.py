@@ -267,7 +267,7 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
                   anneal_steps: int = 400, anneal_candidates: int = 8_000, anneal_t_start: float = 4.0, seed: int = 0,
                   lm=None, lm_weight: float = 0.15, lm_candidates: int | None = None, lm_bigram: bool = True,
                   lm_rounds: int | None = None, lm_options: dict | None = None, fresh: bool = True,
-                  extra_starts: Sequence[tuple[str, dict[int, int]]] = (),
+                  extra_starts: Sequence[tuple[str, dict[int, int]]] = (), digits: Sequence[int] | None = None,
                   progress: Callable[[dict, np.ndarray], dict] | None = None) -> DecipherResult:
     """Decipher the observed ``requests`` (cipher ids) into plaintext ids with public ``reference`` text.
 
@@ -279,6 +279,8 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
     temperature is ``T x count^mf_count_exponent``). ``restarts``: more schedules (dicts of those four keywords),
     each run from scratch and polished by ``block_rounds`` of block moves; the map the bigram likelihood prefers
     among them is the fresh start (``RESTARTS``: the schedules the benchmarks use).
+    ``digits``: the plaintext ids of the ten digits (public: the tokenizer's); the ids the kept map holds on
+    digits are then re-assigned among them by their place in numbers (``digits_unit``, from the reference alone).
     ``lm`` (the public model): with ``lm_bigram`` its next-token distribution after each candidate joins the
     bigram model (``lm_successors``); with ``lm_rounds`` set (0 or more) the maps the search ends on (and the
     warm start as given) are read by the model, the one it rates likeliest is kept and refined by ``lm_refine``
@@ -407,6 +409,11 @@ def decipher_logs(requests: Sequence[Sequence[int]], vocab_size: int, reference:
         if ll > best_ll:
             best, best_ll = m, ll
     trace.append({"stage": "kept", "log_likelihood": round(best_ll, 1)})
+    if digits is not None and len(digits):
+        best, before, after = digits_unit(DigitContexts(reference, digits), stream.rows, best, model, fixed,
+                                          seed=int(rng.integers(1 << 30)))
+        record({"stage": "digits as a unit (reference)", "digit_score_before": round(float(before), 1),
+                "digit_score": round(float(after), 1)}, best)
     if lm is not None and lm_rounds is not None:
         # the model, not the bigram likelihood, chooses between the maps (the warm start as given among them:
         # a larger volume never returns a map the model rates below the one it started from)
@@ -452,6 +459,117 @@ def block_moves(model: CandidateModel, left, right, pairs, counts, total, m: np.
             if share < 0.02:
                 break
     return m
+
+
+class DigitContexts:
+    """The reference's digits in context, the cheap structure of numbers (dates, phone, card and account layouts):
+    how often each of the ten ``digits`` (plaintext ids) follows each plaintext context of two tokens, and of one
+    (``-1``: a request's start), interpolated (``strength`` pseudo-counts) down to the digits' unigram."""
+
+    def __init__(self, reference: Sequence[Sequence[int]], digits: Sequence[int], strength: float = 5.0):
+        self.digits = np.asarray(digits, np.int64)
+        self.strength = strength
+        k = len(self.digits)
+        pos = {int(x): i for i, x in enumerate(self.digits)}
+        self.ctx2: dict[tuple[int, int], np.ndarray] = {}
+        self.ctx1: dict[int, np.ndarray] = {}
+        uni = np.zeros(k)
+        for seq in reference:
+            seq = np.asarray(seq, np.int64)
+            for t in np.flatnonzero(np.isin(seq, self.digits)).tolist():
+                p1 = int(seq[t - 1]) if t >= 1 else -1
+                p2 = int(seq[t - 2]) if t >= 2 else -1
+                d = pos[int(seq[t])]
+                self.ctx2.setdefault((p2, p1), np.zeros(k))[d] += 1
+                self.ctx1.setdefault(p1, np.zeros(k))[d] += 1
+                uni[d] += 1
+        self.uni = (uni + 1) / (uni.sum() + k)
+        self._memo: dict[tuple[int, int], np.ndarray] = {}
+
+    def logp(self, p2: int, p1: int) -> np.ndarray:
+        """log P(digit | p2, p1) over the ten digits."""
+        key = (p2, p1)
+        if key not in self._memo:
+            a = self.ctx1.get(p1)
+            b = self.uni if a is None else (a + self.strength * self.uni) / (a.sum() + self.strength)
+            c = self.ctx2.get(key)
+            self._memo[key] = np.log(b if c is None else (c + self.strength * b) / (c.sum() + self.strength))
+        return self._memo[key]
+
+
+def digits_unit(contexts: DigitContexts, rows: Sequence[np.ndarray], m: np.ndarray, model: CandidateModel,
+                fixed: dict[int, int] | None = None, restarts: int = 20, seed: int = 0
+                ) -> tuple[np.ndarray, float, float]:
+    """The digits read as a unit, without a model: the ids the map holds on digits are re-assigned among the digits
+    (swaps, and moves onto a digit no id holds) to maximise the likelihood of every digit occurrence given its two
+    preceding tokens (``contexts``, from the reference; preceding digits read through the same assignment), by hill
+    climbing from the current assignment and from ``restarts`` random ones, the likeliest kept. The bigram model
+    cannot tell the digits apart (their neighbours are digits alike); their place in numbers can. Returns the map
+    and the score before and after (log-likelihood of the digit occurrences)."""
+    c = len(model.cols)
+    dcols = model.index[contexts.digits]
+    held = np.isin(dcols, [v for v in (fixed or {}).values()])
+    avail = np.flatnonzero((dcols < c) & ~held)  # digits (positions in ``contexts.digits``): candidates, no anchor's
+    slots = np.flatnonzero(np.isin(m, dcols[avail]))
+    slots = slots[~np.isin(slots, list(fixed or {}))]
+    if len(slots) < 2:
+        return m, 0.0, 0.0
+    slot_of = np.full(len(m), -1, np.int64)
+    slot_of[slots] = np.arange(len(slots))
+    digit_of_col = {int(dcols[i]): int(i) for i in avail}
+    plain = np.where(m < c, model.cols[np.minimum(m, c - 1)], -2)  # -2: an id on no candidate
+    # occurrences, grouped: (slot, context 1, context 2) with a context = plaintext (>= -2) or -(3 + slot)
+    enc = np.where(slot_of >= 0, -(3 + slot_of), plain)
+    patterns: dict[tuple[int, int, int], int] = {}
+    for r in rows:
+        r = np.asarray(r, np.int64)
+        for t in np.flatnonzero(slot_of[r] >= 0).tolist():
+            key = (int(slot_of[r[t]]), int(enc[r[t - 1]]) if t >= 1 else -1, int(enc[r[t - 2]]) if t >= 2 else -1)
+            patterns[key] = patterns.get(key, 0) + 1
+    pat = list(patterns.items())
+    digits = contexts.digits
+
+    def score(assign: np.ndarray) -> float:  # assign: slot -> digit position
+        total = 0.0
+        for (sl, e1, e2), n in pat:
+            p1 = int(digits[assign[-(e1 + 3)]]) if e1 <= -3 else e1
+            p2 = int(digits[assign[-(e2 + 3)]]) if e2 <= -3 else e2
+            total += n * contexts.logp(p2, p1)[assign[sl]]
+        return total
+
+    def climb(assign: np.ndarray) -> tuple[np.ndarray, float]:
+        cur = score(assign)
+        improved = True
+        while improved:
+            improved = False
+            for i in range(len(assign)):
+                free = np.setdiff1d(avail, assign)
+                for j in list(range(i + 1, len(assign))) + [-1 - int(f) for f in free]:
+                    old = assign.copy()
+                    if j >= 0:
+                        assign[i], assign[j] = assign[j], assign[i]
+                    else:
+                        assign[i] = -1 - j
+                    v = score(assign)
+                    if v > cur + 1e-9:
+                        cur, improved = v, True
+                        if j < 0:
+                            break  # the free digits changed
+                    else:
+                        assign[:] = old
+        return assign, cur
+
+    start = np.array([digit_of_col[int(m[r])] for r in slots], np.int64)
+    before = score(start)
+    best, best_score = climb(start.copy())
+    rng = np.random.default_rng(seed)
+    for _ in range(restarts):
+        a, v = climb(rng.choice(avail, len(slots), replace=False))
+        if v > best_score:
+            best, best_score = a, v
+    out = m.copy()
+    out[slots] = dcols[best]
+    return out, before, best_score
 
 
 def anneal(model: CandidateModel, left, right, counts, total, m: np.ndarray, fixed: dict[int, int], steps: int,
