@@ -398,6 +398,9 @@ CONFIGS = {
     # the same on the maps of the search with restarts
     "smollm2-restarts-digits": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), stream_tokens=1_000_000,
                                         digits_from=("smollm2-restarts",)),
+    # the third key's maps (smollm2-seed2: its own stream of 10^4 tokens), the digits as a unit
+    "smollm2-seed2-digits": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), seed=2,
+                                     digits_from=("smollm2-seed2",)),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }
