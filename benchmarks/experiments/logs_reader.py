@@ -61,6 +61,7 @@ class Settings:
     # likeliest kept, then refined (EM with the model's predictions, then the digits as a unit)
     em_at: tuple[int, ...] = ()
     em_from: str | None = None
+    em_method: str = "log-reader"  # the entries of ``em_from`` whose maps the model starts from
     em_rounds: int = 6
     em_options: tuple[tuple[str, object], ...] = ()
     old_start_at: int = 10_000
@@ -242,7 +243,7 @@ def _load_lm(s: Settings):
 def _stored_map(s: Settings, store: ResultStore, ref_name: str, volume: int) -> tuple[dict | None, str | None]:
     """The bigram search's map for this volume: this store's ``log-reader`` entry, else the ``em_from`` config's
     (the same stream and key: its settings must match)."""
-    key = f"log-reader/{ref_name}/{volume}"
+    key = f"{s.em_method}/{ref_name}/{volume}"
     if store.has(key):
         held = store.entries()[key]["map"]
         return dict(zip(held["cipher"], held["plain"])), store.config
@@ -398,6 +399,12 @@ CONFIGS = {
     # the same on the maps of the search with restarts
     "smollm2-restarts-digits": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), stream_tokens=1_000_000,
                                         digits_from=("smollm2-restarts",)),
+    # the public model reading whole requests from the maps with the digits read as a unit (smollm2-digits), at
+    # 10^5 tokens with the generic reference: no EM round, no other start, the digits' swaps scored by the model
+    "smollm2-digits-em-1e5-public": Settings(
+        volumes=(), references=("public",), old_at=(), controls_at=(), em_at=(100_000,), em_from="smollm2-digits",
+        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
+        em_options=(("sample_tokens", 5_000), ("digit_rounds", 4), ("digit_check_each", True))),
     # the third key's maps (smollm2-seed2: its own stream of 10^4 tokens), the digits as a unit
     "smollm2-seed2-digits": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), seed=2,
                                      digits_from=("smollm2-seed2",)),
