@@ -480,12 +480,22 @@ def behavioural_mapping(plain: Engine, obf: Engine, pairs: Pairs, cfg: dict[str,
 def attacker_view(target: AttackTarget, data: PrivateData, template: tuple[Sequence[int], Sequence[int]] | None
                   ) -> tuple[Pairs, dict[str, Any]]:
     """The anchors the server gets for free: template pairs from the observed requests and the published special
-    ids. ``template`` overrides the tokenizer's chat template (tiny test models have none)."""
+    ids. ``template`` overrides the tokenizer's chat template. A model that ships no tokenizer (test and synthetic
+    checkpoints) has no chat template either: its requests are wrapped in the stand-in of ``routing_leak``
+    (``template_prefix``: fixed public ids, the last 3 of them after the prompt), as a real model's are in its own
+    public template; ``template_kind`` says which."""
     v = target.vocab_size
     pairs = Pairs(v)
     info: dict[str, Any] = {}
     if template is None and has_tokenizer(target) and getattr(target.tokenizer, "chat_template", None):
         template = chat_template_ids(target.tokenizer)
+        info["template_kind"] = "the public chat template"
+    elif template is None and not has_tokenizer(target):
+        from .routing_leak import template_prefix
+
+        ids, kind = template_prefix(target, 0)
+        template = (ids[:-3], ids[-3:])
+        info["template_kind"] = kind
     if template is not None:
         requests = wrap_requests(template[0], template[1], data.plain_ids)
         observed = [target.obfuscate_ids(r) for r in requests]  # victim side: what the server receives
