@@ -160,6 +160,11 @@ def test_audit_traffic_holds_the_clients_prompts_and_the_curve_grows_to_the_volu
     for p in curve:
         assert 0.0 <= p["prompt_token_recovery"] <= 1.0 and 0.0 <= p["pii_token_recovery"] <= 1.0
     assert 0.0 <= res.ttrsr <= 1.0
+    # the digits are read as a unit there: SmolLM2 has the ten as single tokens
+    from aloepri.attacks.log_reader import tokenizer_digits
+
+    digits = tokenizer_digits(tok)
+    assert digits is not None and len(set(digits)) == 10 and tok.decode(digits) == "0123456789"
 
 
 # --- the observer with the public model reading whole requests (lm_refine: the model chooses, EM, digits) --------

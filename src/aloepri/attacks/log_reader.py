@@ -995,13 +995,26 @@ def audit_traffic(tokenizer, private_ids: Sequence[Sequence[int]], private_masks
     return requests, pii, user
 
 
+# the digits read as a unit (``digits_unit``, from the reference alone) at every volume; seconds at these volumes
+READ_DIGITS = True
+
+
+def tokenizer_digits(tokenizer) -> list[int] | None:
+    """The plaintext ids of the ten digits where each is one token of the public tokenizer, else None."""
+    ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    ok = all(isinstance(i, int) and i >= 0 and i != unk for i in ids) and len(set(ids)) == 10
+    return ids if ok else None
+
+
 def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     """The client's private prompts inside a day's logs (``budget.traffic_tokens`` tokens, default
     ``DEFAULT_TRAFFIC_TOKENS``; see ``audit_traffic``) through the key, deciphered with public text (fortunes +
     debian-reference) by ``decipher_logs`` at increasing volumes, each warm-started from the last. The attack's
     figure is on the client's prompts at the full volume; ``metrics['curve']`` holds recovery of the prompt
-    (user-text) and PII tokens of all the traffic at each volume. ``with_lm``: the public model's successor
-    distributions join the reference's bigram model (``lm_successors``)."""
+    (user-text) and PII tokens of all the traffic at each volume. At each volume the digits are read as a unit
+    (``READ_DIGITS``; ``digits_unit``, where the tokenizer has the ten as single tokens). ``with_lm``: the public
+    model's successor distributions join the reference's bigram model (``lm_successors``)."""
     from .base import AttackResult, score_mapping
     from .stream_decipher import public_reference
 
@@ -1027,7 +1040,7 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
         # the model reading whole requests (lm_rounds: lm_refine) is not used here: measured side by side at ci
         # on SmolLM2, its choice among the maps read less of the prompts than the bigram's, in twice the time
         res = decipher_logs(observed[:k], vocab, reference, pre, post, init=init, anneal_steps=steps, seed=seed,
-                            lm=lm, lm_candidates=lm_reads)
+                            lm=lm, lm_candidates=lm_reads, digits=tokenizer_digits(tok) if READ_DIGITS else None)
         flat = np.concatenate(observed[:k])
         truth = np.concatenate(plain_reqs[:k])
         ok = res.obf_to_plain[flat] == truth
@@ -1056,7 +1069,8 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
 @register("stream-decipher")
 def stream_decipher(target, data, budget, seed: int = 0):
     """Id-stream decipherment of a day's logs (``run_log_reader``: template anchors, sparse mean-field, matching,
-    block moves and annealing on a bigram model of public text, warm-started along the volume); no model."""
+    block moves and annealing on a bigram model of public text, warm-started along the volume; the digits read as
+    a unit by their place in numbers); no model."""
     return run_log_reader(target, data, budget, seed, with_lm=False)
 
 
