@@ -22,6 +22,12 @@ RMSNorm weight kappa). Each obfuscated row is then matched to the nearest plaint
 fits in memory), per source (product x layer), and the sources vote (majority of per-source nearest neighbours,
 ties broken by the summed distance).
 
+Weights: each side is read through ``target_weights``: streamed from its checkpoint (a Hugging Face directory or a
+.gguf file) one tensor at a time when its model is not loaded, the embedding, the head and the final norm held
+throughout and the chosen layers' readers one layer at a time, one side after the other; else from the loaded
+model. The same float32 numbers either way (tests/attacks/test_vma_streamed.py), so memory follows the vocabulary
+and the width, not the depth.
+
 Queries: every distinct observed obfuscated id of the private prompts, plus a seeded sample of the vocabulary to
 estimate vocabulary-level recovery (``vocab_recovery_sampled``; the sample size is reported).
 """
