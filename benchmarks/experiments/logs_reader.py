@@ -22,17 +22,20 @@ unit, each kept only where the model's likelihood rises; ``parts`` holds the fig
 measured in the same run where it fits); controls at one volume: ``control/victim-text`` (positive: the traffic's
 own plaintext as reference) and ``control/random-mapping`` (negative: a random 1:1 guess).
 
-Resumable: keyed ``<method>/<reference>/<volume>``; entries present are skipped.
+Resumable: keyed ``<method>/<reference>/<volume>``; entries present are skipped. ``ALOEPRI_BENCH_ONLY=KEY,...``
+(environment) makes one invocation fill only those entries of the config (a run can leave the shared heavy-run lock
+between entries); it chooses which entries this run fills, not what they mean, so it is not a setting.
 """
 from __future__ import annotations
 
+import os
 import resource
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..lib import ResultStore
+from ..lib import ResultStore, UsageError
 from ..lib.models import model_path
 from .logs_only import build_stream, chat_wrapper, observed_prefix, prior_ids, recovery_report, split_requests
 
@@ -92,8 +95,13 @@ def run(s: Settings, store: ResultStore) -> None:
     keys += [f"log-reader-em/{r}/{v}" for r in s.references for v in s.em_at]
     keys += [f"log-reader+digits/{r}/{v}" for r in s.references for v in s.volumes if s.digits_from]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
+    only = [x.strip() for x in os.environ.get("ALOEPRI_BENCH_ONLY", "").split(",") if x.strip()]
+    unknown = [x for x in only if x not in keys]
+    if unknown:
+        raise UsageError(f"ALOEPRI_BENCH_ONLY: {', '.join(unknown)} is not an entry of this config "
+                         f"({', '.join(keys)})")
     # by volume; the model's refinement after the search whose map it reads
-    todo = sorted((k for k in keys if not store.has(k)),
+    todo = sorted((k for k in keys if not store.has(k) and (not only or k in only)),
                   key=lambda k: (int(k.rsplit("/", 1)[1]), k.startswith("log-reader-em/"), k))
     if not todo:
         return
