@@ -157,8 +157,11 @@ def _control_child(s: Settings, src: Path, server: Path, key: Path, work: Path) 
             "--quiet"] + (["--device", s.device] if s.device != "cpu" else [])
     process = _run_child(argv, work / "control.json", f"attack {s.control}")
     (res,) = json.loads((work / "control" / "attack_report.json").read_text())["results"]
-    return {"attack": res["attack"], "ttrsr": res["ttrsr"], "piirsr": res["piirsr"],
-            "vocab_recovery": res.get("metrics", {}).get("vocab_recovery"), **process}
+    out = {"attack": res["attack"], "ttrsr": res["ttrsr"], "piirsr": res["piirsr"],
+           "vocab_recovery": res.get("metrics", {}).get("vocab_recovery"), **process}
+    if res["ttrsr"] is None:  # ran and gave no figure: say why (the attack's own words)
+        out["no_figure"] = str(res.get("reason") or res.get("error") or res.get("status") or "no figure returned")
+    return out
 
 
 def peak_rss_gib(report: dict, process: dict | None) -> float:
@@ -186,6 +189,10 @@ def report(store: ResultStore) -> str:
     ctl = store.get("control")
     if ctl and ctl.get("failed"):
         lines.insert(3, f"positive control `{ctl['attack']}` did not run: {ctl['failed'].strip().splitlines()[-1]}")
+    elif ctl and ctl.get("ttrsr") is None:
+        why = ctl.get("no_figure", "no reason recorded")
+        lines.insert(3, f"positive control: `{ctl['command']}` gave no figure ({why}): the positive control "
+                        "failed")
     elif ctl:
         lines.insert(3, f"positive control: `{ctl['command']}` read {100 * ctl['ttrsr']:.1f}% of the prompt tokens "
                         f"({ctl['wall_seconds'] / 60:.1f} min wall, {ctl['cpu_seconds'] / 60:.1f} min CPU, peak RSS "
