@@ -995,8 +995,10 @@ def audit_traffic(tokenizer, private_ids: Sequence[Sequence[int]], private_masks
     return requests, pii, user
 
 
-# the digits read as a unit (``digits_unit``, from the reference alone) at every volume; seconds at these volumes
-READ_DIGITS = True
+# the digits read as a unit (``digits_unit``, from the reference alone) at every volume: off. Measured back to back
+# at ci on one obfuscated SmolLM2 (20,042 tokens, the generic reference), it read more at 10^3 and 3x10^3 tokens
+# but less at the full volume (TTRSR 25.5% against 27.9%, PIIRSR 30.0% against 31.2%; 49 against 41 CPU-s)
+READ_DIGITS = False
 
 
 def tokenizer_digits(tokenizer) -> list[int] | None:
@@ -1012,9 +1014,9 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
     ``DEFAULT_TRAFFIC_TOKENS``; see ``audit_traffic``) through the key, deciphered with public text (fortunes +
     debian-reference) by ``decipher_logs`` at increasing volumes, each warm-started from the last. The attack's
     figure is on the client's prompts at the full volume; ``metrics['curve']`` holds recovery of the prompt
-    (user-text) and PII tokens of all the traffic at each volume. At each volume the digits are read as a unit
-    (``READ_DIGITS``; ``digits_unit``, where the tokenizer has the ten as single tokens). ``with_lm``: the public
-    model's successor distributions join the reference's bigram model (``lm_successors``)."""
+    (user-text) and PII tokens of all the traffic at each volume. With ``READ_DIGITS`` (off) the digits are read
+    as a unit at each volume (``digits_unit``, where the tokenizer has the ten as single tokens). ``with_lm``: the
+    public model's successor distributions join the reference's bigram model (``lm_successors``)."""
     from .base import AttackResult, score_mapping
     from .stream_decipher import public_reference
 
@@ -1069,8 +1071,7 @@ def run_log_reader(target, data, budget, seed: int = 0, with_lm: bool = False):
 @register("stream-decipher")
 def stream_decipher(target, data, budget, seed: int = 0):
     """Id-stream decipherment of a day's logs (``run_log_reader``: template anchors, sparse mean-field, matching,
-    block moves and annealing on a bigram model of public text, warm-started along the volume; the digits read as
-    a unit by their place in numbers); no model."""
+    block moves and annealing on a bigram model of public text, warm-started along the volume); no model."""
     return run_log_reader(target, data, budget, seed, with_lm=False)
 
 
