@@ -996,8 +996,8 @@ def audit_traffic(tokenizer, private_ids: Sequence[Sequence[int]], private_masks
 
 
 # the digits read as a unit (``digits_unit``, from the reference alone) at every volume: off. Measured back to back
-# at ci on one obfuscated SmolLM2 (20,042 tokens, the generic reference), it read more at 10^3 and 3x10^3 tokens
-# but less at the full volume (TTRSR 25.5% against 27.9%, PIIRSR 30.0% against 31.2%; 49 against 41 CPU-s)
+# at ci on one obfuscated SmolLM2 with the generic reference, it read more at the small volumes of the curve but
+# less of the client's prompts at the full volume
 READ_DIGITS = False
 
 
