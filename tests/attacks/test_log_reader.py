@@ -354,3 +354,13 @@ def test_digits_unit_from_the_reference_puts_permuted_digits_back(traffic):
     got = np.array([other.obf_to_plain[perm[d]] for d in digits])
     assert (got == digits).mean() < 0.2
     assert all(other.obf_to_plain[c] == start[c] for c, p in truth.items() if p not in set(digits.tolist()))
+
+
+def test_digit_runs_positions_lengths_and_the_token_before():
+    from aloepri.attacks.log_reader import digit_runs
+
+    seq = np.array([7, 1, 2, 8, 3, 9, 4, 5, 6])
+    is_digit = np.isin(seq, [1, 2, 3, 4, 5, 6])
+    assert list(digit_runs(seq, is_digit)) == [(1, 2, 0, 7), (2, 2, 1, 7), (4, 1, 0, 8), (6, 3, 0, 9), (7, 3, 1, 9),
+                                               (8, 3, 2, 9)]
+    assert list(digit_runs(seq[1:3], is_digit[1:3]))[0] == (0, 2, 0, -1)  # a run at the start: no token before

@@ -464,7 +464,11 @@ def block_moves(model: CandidateModel, left, right, pairs, counts, total, m: np.
 class DigitContexts:
     """The reference's digits in context, the cheap structure of numbers (dates, phone, card and account layouts):
     how often each of the ten ``digits`` (plaintext ids) follows each plaintext context of two tokens, and of one
-    (``-1``: a request's start), interpolated (``strength`` pseudo-counts) down to the digits' unigram."""
+    (``-1``: a request's start), interpolated (``strength`` pseudo-counts) down to the digits' unigram; and the
+    layout of numbers: how often each digit stands at position k of a run of L digits after a given token
+    (``layout_logp``; L and k capped at ``MAX_RUN``), interpolated down to (L, k) alone."""
+
+    MAX_RUN = 12
 
     def __init__(self, reference: Sequence[Sequence[int]], digits: Sequence[int], strength: float = 5.0):
         self.digits = np.asarray(digits, np.int64)
@@ -473,18 +477,36 @@ class DigitContexts:
         pos = {int(x): i for i, x in enumerate(self.digits)}
         self.ctx2: dict[tuple[int, int], np.ndarray] = {}
         self.ctx1: dict[int, np.ndarray] = {}
+        self.layout: dict[tuple[int, int, int], np.ndarray] = {}
+        self.layout1: dict[tuple[int, int], np.ndarray] = {}
         uni = np.zeros(k)
         for seq in reference:
             seq = np.asarray(seq, np.int64)
-            for t in np.flatnonzero(np.isin(seq, self.digits)).tolist():
+            is_digit = np.isin(seq, self.digits)
+            for t in np.flatnonzero(is_digit).tolist():
                 p1 = int(seq[t - 1]) if t >= 1 else -1
                 p2 = int(seq[t - 2]) if t >= 2 else -1
                 d = pos[int(seq[t])]
                 self.ctx2.setdefault((p2, p1), np.zeros(k))[d] += 1
                 self.ctx1.setdefault(p1, np.zeros(k))[d] += 1
                 uni[d] += 1
+            for t, run, at, before in digit_runs(seq, is_digit):
+                d = pos[int(seq[t])]
+                self.layout.setdefault((run, at, before), np.zeros(k))[d] += 1
+                self.layout1.setdefault((run, at), np.zeros(k))[d] += 1
         self.uni = (uni + 1) / (uni.sum() + k)
         self._memo: dict[tuple[int, int], np.ndarray] = {}
+        self._memo_layout: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def layout_logp(self, run: int, at: int, before: int) -> np.ndarray:
+        """log P(digit | position ``at`` of a run of ``run`` digits after the token ``before``)."""
+        key = (run, at, before)
+        if key not in self._memo_layout:
+            a = self.layout1.get((run, at))
+            b = self.uni if a is None else (a + self.strength * self.uni) / (a.sum() + self.strength)
+            c = self.layout.get(key)
+            self._memo_layout[key] = np.log(b if c is None else (c + self.strength * b) / (c.sum() + self.strength))
+        return self._memo_layout[key]
 
     def logp(self, p2: int, p1: int) -> np.ndarray:
         """log P(digit | p2, p1) over the ten digits."""
@@ -497,13 +519,30 @@ class DigitContexts:
         return self._memo[key]
 
 
+def digit_runs(seq: np.ndarray, is_digit: np.ndarray, before_of: np.ndarray | None = None):
+    """Each digit position of ``seq`` with its run: (position, run length, position in the run, the token before
+    the run or -1), lengths and positions capped at ``DigitContexts.MAX_RUN``; ``before_of`` maps the token
+    before (default: itself)."""
+    cap = DigitContexts.MAX_RUN
+    n = len(seq)
+    if not is_digit.any():
+        return
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_digit.astype(np.int8), [0]])))
+    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        prev = -1 if a == 0 else int(seq[a - 1] if before_of is None else before_of[seq[a - 1]])
+        for t in range(a, min(b, n)):
+            yield t, min(b - a, cap), min(t - a, cap - 1), prev
+
+
 def digits_unit(contexts: DigitContexts, rows: Sequence[np.ndarray], m: np.ndarray, model: CandidateModel,
                 fixed: dict[int, int] | None = None, restarts: int = 20, seed: int = 0
                 ) -> tuple[np.ndarray, float, float]:
     """The digits read as a unit, without a model: the ids the map holds on digits are re-assigned among the digits
     (swaps, and moves onto a digit no id holds) to maximise the likelihood of every digit occurrence given its two
-    preceding tokens (``contexts``, from the reference; preceding digits read through the same assignment), by hill
-    climbing from the current assignment and from ``restarts`` random ones, the likeliest kept. The bigram model
+    preceding tokens and given its place in its number (position in the run of digits, the run's length, the token
+    before it) (``contexts``, from the reference; preceding digits read through the same assignment), by hill
+    climbing from the current assignment, from the best assignment under the layout alone, and from ``restarts``
+    random ones, the likeliest kept. The bigram model
     cannot tell the digits apart (their neighbours are digits alike); their place in numbers can. Returns the map
     and the score before and after (log-likelihood of the digit occurrences)."""
     c = len(model.cols)
@@ -528,9 +567,16 @@ def digits_unit(contexts: DigitContexts, rows: Sequence[np.ndarray], m: np.ndarr
             patterns[key] = patterns.get(key, 0) + 1
     pat = list(patterns.items())
     digits = contexts.digits
+    # the layout of numbers: position in its run of digits after the token before the run (a non-digit: fixed)
+    layout = np.zeros((len(slots), len(digits)))
+    for r in rows:
+        r = np.asarray(r, np.int64)
+        for t, run, at, before in digit_runs(r, slot_of[r] >= 0, plain):
+            layout[slot_of[r[t]]] += contexts.layout_logp(run, at, before)
+    slot_idx = np.arange(len(slots))
 
     def score(assign: np.ndarray) -> float:  # assign: slot -> digit position
-        total = 0.0
+        total = float(layout[slot_idx, assign].sum())
         for (sl, e1, e2), n in pat:
             p1 = int(digits[assign[-(e1 + 3)]]) if e1 <= -3 else e1
             p2 = int(digits[assign[-(e2 + 3)]]) if e2 <= -3 else e2
@@ -562,6 +608,15 @@ def digits_unit(contexts: DigitContexts, rows: Sequence[np.ndarray], m: np.ndarr
     start = np.array([digit_of_col[int(m[r])] for r in slots], np.int64)
     before = score(start)
     best, best_score = climb(start.copy())
+    # and from the best assignment under the layout alone (a linear assignment: exact)
+    from scipy.optimize import linear_sum_assignment
+
+    ri, ci = linear_sum_assignment(-layout[:, avail])
+    by_layout = start.copy()
+    by_layout[ri] = avail[ci]
+    a, v = climb(by_layout)
+    if v > best_score:
+        best, best_score = a, v
     rng = np.random.default_rng(seed)
     for _ in range(restarts):
         a, v = climb(rng.choice(avail, len(slots), replace=False))
