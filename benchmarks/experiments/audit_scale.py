@@ -19,7 +19,8 @@ PARAMETERS = {"smollm2": 134.5e6, "qwen-coder": 494.0e6, "qwen-coder-1.5b": 1.54
 @dataclass(frozen=True)
 class Settings:
     configs: tuple[str, ...] = ("smollm2-small-torch", "smollm2-small-llamacpp", "qwen-coder-small-torch",
-                                "qwen-coder-small-llamacpp", "qwen-coder-1.5b-small", "qwen-coder-1.5b-small-llamacpp-idle",
+                                "qwen-coder-small-llamacpp", "qwen-coder-1.5b-small",
+                                "qwen-coder-1.5b-small-llamacpp-batched-greedy",
                                 "synthetic-8b-llamacpp")
 
 

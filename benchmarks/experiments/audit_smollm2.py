@@ -224,6 +224,11 @@ CONFIGS = {"ci": Settings(),
            # the same, run again with nothing else on the machine (the load average is recorded)
            "qwen-coder-1.5b-small-llamacpp-idle": Settings(budget="small", threads=2, model="qwen-coder-1.5b",
                                                            seed=2026, dtype="bfloat16", engine="llamacpp-q8_0"),
+           # the same on an idle machine with the code that decodes the fidelity step's greedy continuations together
+           # and lets the log reader's model read 6,000 candidates at small (12,000 before)
+           "qwen-coder-1.5b-small-llamacpp-batched-greedy": Settings(budget="small", threads=2, model="qwen-coder-1.5b",
+                                                                     seed=2026, dtype="bfloat16",
+                                                                     engine="llamacpp-q8_0"),
            # memory and time against size (docs/performance.md): the same command at `small` on each real model's
            # cached bfloat16 `default` output, torch (both models in process, float32) beside llama.cpp q8_0
            **{f"{m}-small-{tag}": Settings(budget="small", threads=2, model=m, seed=2026, dtype="bfloat16", engine=e)
