@@ -146,7 +146,7 @@ def test_streamed_vma_fails_where_it_should(tiny_dir, obfuscated, tmp_path):
 
 def test_attack_cli_without_a_tokenizer(tiny_dir, obfuscated, tmp_path, capsys):
     """`aloepri attack` on a checkpoint that ships no tokenizer takes the audit's path (seeded random-id prompts,
-    token-level scores); an attack that tokenizes text stops with one line and exit 2."""
+    token-level scores); an attack that tokenizes text stops with one line and exit 2, naming it."""
     from aloepri.cli import main
 
     out, _ = obfuscated("llama")
@@ -157,6 +157,12 @@ def test_attack_cli_without_a_tokenizer(tiny_dir, obfuscated, tmp_path, capsys):
     (res,) = report["results"]
     assert res["attack"] == "vma" and res["ttrsr"] >= 0.9 and res["piirsr"] is None
     assert report["context"]["private_prompts"]["kind"].startswith("random token ids")
+    # the behavioural attack (the positive control of the synthetic 8B audit): the requests are wrapped in a
+    # stand-in template of fixed public ids, as a real model's are in its public chat template
+    assert main(["attack", "behavioural", *args, "--report-dir", str(tmp_path / "c")]) == 0
+    (res,) = json.loads((tmp_path / "c" / "attack_report.json").read_text())["results"]
+    assert res["ttrsr"] >= 0.9 and "stand-in" in res["budget"]["anchors"]["template_kind"]
+    assert res["budget"]["anchors"]["template_positions_paired"] >= 1
     capsys.readouterr()
     assert main(["attack", "tfma", *args, "--report-dir", str(tmp_path / "b")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("aloepri attack: error:")]
