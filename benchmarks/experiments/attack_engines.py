@@ -194,8 +194,8 @@ def report(store: ResultStore) -> str:
 SUMMARY = ("the behavioural attacks with both models on float32 torch, llama.cpp q8_0 and llama.cpp q4_k_m, side by "
            "side on the same checkpoints: prompt/PII recovery, wall, CPU, peak RSS")
 CONFIGS = {
-    # the composed attack alone (the one that reads every preset at float32, `paper` included): on a shared 2-core
-    # machine the two attacks on 4 presets x 3 engines would take hours
+    # the composed attack alone (at budget ci it reads default, noisy and alpha 0.5 in float32; `paper` only at a
+    # larger VMA sample, budget small): ~10 min a preset on 2 cores, ALOEPRI_BENCH_ONLY=PRESET one at a time
     "smollm2": Settings(attacks="behavioural-composed"),
     # `paper` alone (where only the composed attack reads the prompts in float32), q8_0 against float32
     "smollm2-paper": Settings(presets=("paper",), engines=("torch", "llamacpp-q8_0"), attacks="behavioural-composed"),
@@ -207,4 +207,5 @@ CONFIGS = {
 }
 DEFAULT_CONFIG = "smollm2"
 DOCS = ("docs/performance.md", "docs/security.md")
-NOTES = "needs llama-cpp-python; SmolLM2 about 30-60 min on 2 cores (4 presets x 3 engines)"
+NOTES = ("needs llama-cpp-python; SmolLM2 ~5-10 min a preset (3 engines) on 2 cores; ALOEPRI_BENCH_ONLY=PRESET[/ENGINE] "
+         "fills chosen entries per invocation")
