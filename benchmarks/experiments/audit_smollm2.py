@@ -252,6 +252,12 @@ CONFIGS = {"ci": Settings(),
            "synthetic-8b-2layers-llamacpp": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=2,
                                                      synthetic_vocab=16384, seed=2026, engine="llamacpp-q8_0",
                                                      threads=2, control="behavioural"),
+           # the same after the weight attacks read their tensors streamed from the checkpoints (VMA loaded both
+           # models in float32 before)
+           "synthetic-8b-2layers-llamacpp-vma-streamed": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b",
+                                                                  synthetic_layers=2, synthetic_vocab=16384, seed=2026,
+                                                                  engine="llamacpp-q8_0", threads=2,
+                                                                  control="behavioural"),
            "synthetic-8b-2layers-cpu": Settings(model="llama-3.1-8b", synthetic="llama-3.1-8b", synthetic_layers=2,
                                                 synthetic_vocab=16384, seed=2026, engine="torch", threads=2)}
 DOCS = ("docs/audit.md", "docs/performance.md")

@@ -80,3 +80,4 @@ CONFIGS = {"synthetic-8b-1layer": Settings(),
            # the audit's 2-layer, 16k-vocabulary shape (synthetic-8b-2layers-llamacpp), VMA alone
            "synthetic-8b-2layers-16k": Settings(synthetic_layers=2, synthetic_vocab=16384)}
 NOTES = "CPU; writes and obfuscates the synthetic checkpoint once (benchmarks cache), a few minutes"
+DOCS = ("docs/performance.md",)
