@@ -18,6 +18,8 @@ token joins the reference's bigram model, ``lm_successors``); ``log-reader-em`` 
 reading whole requests, ``lm_refine``: the maps of the bigram search and of ``decipher_stream`` are deciphered,
 the model reads them and keeps the likeliest, then EM rounds with its full-context predictions and the digits as a
 unit, each kept only where the model's likelihood rises; ``parts`` holds the figures after each part);
+``log-reader+digits`` (the map another config's bigram search stored, then the digits read as a unit from the
+reference alone, ``decipher_logs(digits=...)``; ``parts`` holds the figures before and after);
 ``stream-decipher`` (the earlier ``decipher_stream``,
 measured in the same run where it fits); controls at one volume: ``control/victim-text`` (positive: the traffic's
 own plaintext as reference) and ``control/random-mapping`` (negative: a random 1:1 guess).
