@@ -20,7 +20,7 @@ PARAMETERS = {"smollm2": 134.5e6, "qwen-coder": 494.0e6, "qwen-coder-1.5b": 1.54
 class Settings:
     configs: tuple[str, ...] = ("smollm2-small-torch", "smollm2-small-llamacpp", "qwen-coder-small-torch",
                                 "qwen-coder-small-llamacpp", "qwen-coder-1.5b-small",
-                                "qwen-coder-1.5b-small-llamacpp-batched-greedy",
+                                "qwen-coder-1.5b-small-llamacpp-fewer-reads",
                                 "synthetic-8b-llamacpp")
 
 

@@ -224,11 +224,15 @@ CONFIGS = {"ci": Settings(),
            # the same, run again with nothing else on the machine (the load average is recorded)
            "qwen-coder-1.5b-small-llamacpp-idle": Settings(budget="small", threads=2, model="qwen-coder-1.5b",
                                                            seed=2026, dtype="bfloat16", engine="llamacpp-q8_0"),
-           # the same on an idle machine with the code that decodes the fidelity step's greedy continuations together
-           # and lets the log reader's model read 6,000 candidates at small (12,000 before)
+           # the same with the fidelity step's greedy continuations decoded together (a code path since dropped: the
+           # batch's numerics broke near-ties, greedy match 0.65 against 0.80 one prompt at a time) and the log
+           # reader's model reading 6,000 candidates at small (12,000 before)
            "qwen-coder-1.5b-small-llamacpp-batched-greedy": Settings(budget="small", threads=2, model="qwen-coder-1.5b",
                                                                      seed=2026, dtype="bfloat16",
                                                                      engine="llamacpp-q8_0"),
+           # the same with greedy decoding one prompt at a time again and the 6,000 model reads
+           "qwen-coder-1.5b-small-llamacpp-fewer-reads": Settings(budget="small", threads=2, model="qwen-coder-1.5b",
+                                                                  seed=2026, dtype="bfloat16", engine="llamacpp-q8_0"),
            # memory and time against size (docs/performance.md): the same command at `small` on each real model's
            # cached bfloat16 `default` output, torch (both models in process, float32) beside llama.cpp q8_0
            **{f"{m}-small-{tag}": Settings(budget="small", threads=2, model=m, seed=2026, dtype="bfloat16", engine=e)

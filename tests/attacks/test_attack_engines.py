@@ -183,32 +183,6 @@ def test_llama_cpp_packs_short_sequences_into_one_call_with_the_rows_of_each_alo
 
 
 @needs_llama_cpp
-def test_llama_cpp_decodes_greedy_continuations_together_as_each_alone(tiny):
-    """The fidelity step's greedy continuations, decoded together (one llama.cpp call per step for all prompts),
-    are those of decoding each prompt alone; each continues its own prompt (another prompt gives another one), and
-    a sequence stops after an EOS while the others go on."""
-    from aloepri.attacks.engines import Engine
-
-    src, work = tiny
-    plain, obf = open_engines("llamacpp-q8_0", src, work / "exact", threads=1)
-    try:
-        rng = np.random.default_rng(3)
-        prompts = [rng.integers(3, 120, size=n).tolist() for n in (5, 9, 14, 7)]
-        alone = Engine.greedy(plain, prompts, 8, set())
-        together = plain.greedy(prompts, 8, set())
-        assert together == alone
-        assert len({tuple(c) for c in together}) > 1
-        stop = together[1][2]
-        cut = plain.greedy(prompts, 8, {stop})
-        assert cut[1] == together[1][:together[1].index(stop) + 1]
-        assert [c for i, c in enumerate(cut) if stop not in together[i]] == \
-            [c for c in together if stop not in c]
-    finally:
-        plain.close()
-        obf.close()
-
-
-@needs_llama_cpp
 @pytest.mark.parametrize("engine", ["llamacpp-q8_0", "llamacpp-q4_k_m"])
 def test_llama_cpp_engine_controls(tiny, engine):
     src, work = tiny

@@ -239,66 +239,6 @@ class LlamaCppEngine(Engine):
                 at += len(s)
         return out
 
-    def greedy(self, prompts: list[list[int]], max_new: int, eos: set[int]) -> list[list[int]]:
-        """Greedy continuations decoded together: each prompt its own sequence in one unified KV cache, one llama.cpp
-        call per step for all of them (a step of one sequence costs about what a step of twenty does: the weights
-        are read once). Up to ``PACK_MAX_SEQS`` prompts holding at most ``n_ctx`` prompt tokens per group. The
-        prompts are evaluated in one batch, so a near-tie can break otherwise than evaluated alone."""
-        out: list[list[int]] = []
-        i = 0
-        while i < len(prompts):
-            group, used = [], 0
-            while i < len(prompts) and len(group) < self.PACK_MAX_SEQS and (
-                    not group or used + len(prompts[i]) <= self.n_ctx):
-                group.append(list(prompts[i]))
-                used += len(prompts[i])
-                i += 1
-            out.extend(self._greedy_group(group, max_new, eos))
-        return out
-
-    def _greedy_group(self, group: list[list[int]], max_new: int, eos: set[int]) -> list[list[int]]:
-        import ctypes
-
-        from llama_cpp import _internals
-
-        llama_cpp = _llama_cpp()
-        longest = max(len(p) for p in group)
-        if longest + max_new > self.n_ctx:
-            raise EngineError(f"a prompt of {longest} tokens and {max_new} new ones exceed the llama.cpp context "
-                              f"of {self.n_ctx}")
-        total = sum(len(p) for p in group) + len(group) * max_new
-        params = llama_cpp.llama_context_default_params()
-        ctypes.memmove(ctypes.byref(params), ctypes.byref(self.llm.context_params), ctypes.sizeof(params))
-        params.n_ctx = params.n_batch = params.n_ubatch = max(total, self.n_ctx)
-        params.n_seq_max, params.kv_unified = len(group), True
-        ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
-        batch = _internals.LlamaBatch(n_tokens=int(params.n_ctx), embd=0, n_seq_max=len(group), verbose=False)
-        try:
-            for sid, p in enumerate(group):
-                batch.add_sequence(p, sid, False)
-            ctx.decode(batch)
-            last = list(np.cumsum([len(p) for p in group]) - 1)  # batch index of each sequence's logits
-            new: list[list[int]] = [[] for _ in group]
-            live = list(range(len(group)))
-            for step in range(max_new):
-                for j, sid in zip(last, live):
-                    row = np.ctypeslib.as_array(ctx.get_logits_ith(int(j)), shape=(self.vocab_size,))
-                    new[sid].append(int(row.argmax()))
-                live = [sid for sid in live if new[sid][-1] not in eos]
-                if not live or step == max_new - 1:
-                    break
-                b = batch.batch
-                b.n_tokens = len(live)
-                for j, sid in enumerate(live):
-                    b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = new[sid][-1], len(group[sid]) + step, 1, True
-                    b.seq_id[j][0] = sid
-                ctx.decode(batch)
-                last = list(range(len(live)))
-            return new
-        finally:
-            batch.close()
-            ctx.close()
-
     def _rows(self, seqs: Tensor) -> list[np.ndarray]:
         lists = seqs.cpu().tolist()
         if len(lists) > 1 and len(lists[0]) <= self.PACK_MAX_LEN:

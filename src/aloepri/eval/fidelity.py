@@ -109,9 +109,6 @@ class PlainReference:
         self.greedy: list[list[int] | None] = []
         self._spill = Path(spill_dir) if spill_dir is not None else None
         self._logits: list[torch.Tensor | None] = []
-        run = [i for i in range(len(self.ids)) if not self.skipped[i]]
-        together = greedy_together(plain_model, [self.ids[i] for i in run], greedy_tokens, self.eos)
-        together = dict(zip(run, together)) if together is not None else None
         for i, ids in enumerate(self.ids):
             if self.skipped[i]:
                 self._logits.append(None)
@@ -127,7 +124,7 @@ class PlainReference:
                 torch.save(logits, self._spill / f"logits-{i}.pt")
                 self._logits.append(None)
             del logits
-            self.greedy.append(together[i] if together is not None else plain_model.generate(
+            self.greedy.append(plain_model.generate(
                 x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
                 eos_token_id=self.eos, pad_token_id=(self.eos or [0])[0])[0, x.shape[1]:].tolist()
                 if greedy_tokens else None)
@@ -142,16 +139,6 @@ class PlainReference:
         return torch.load(self._spill / f"logits-{i}.pt", weights_only=True).to(device)
 
 
-def greedy_together(model, ids_list: Sequence[Sequence[int]], greedy_tokens: int, eos) -> list[list[int]] | None:
-    """The greedy continuations of every text in one call where the model decodes many sequences together (an
-    engine's ``generate_many``: llama.cpp advances them all in one batch per step); None where it does not (a
-    transformers model: each text is continued alone, without padding, as before)."""
-    many = getattr(model, "generate_many", None)
-    if not greedy_tokens or many is None or not ids_list:
-        return None
-    return many([list(ids) for ids in ids_list], greedy_tokens, eos)
-
-
 class ModelPair:
     """The obfuscated model against the plaintext side (a ``PlainReference``: the plaintext model's logits and
     greedy continuations, taken before), on one device, with the key's maps between their ids (identity when
@@ -163,20 +150,6 @@ class ModelPair:
         self.encode = key.encode_ids if key is not None else list
         self.decode = key.decode_ids if key is not None else list
         self.perm = torch.from_numpy(key.permutation).to(self.dev) if key is not None else None
-        self._greedy: dict[int, list[int]] | None = None
-
-    def _greedy_of(self, i: int, xo: torch.Tensor, eo) -> list[int]:
-        """The obfuscated model's greedy continuation of text ``i`` (obfuscated ids): decoded together for every
-        text the reference ran on first use where the model can (``greedy_together``), else alone."""
-        ref = self.reference
-        if self._greedy is None:
-            run = [j for j in range(len(ref.ids)) if not ref.skipped[j]]
-            together = greedy_together(self.obf, [self.encode(ref.ids[j]) for j in run], ref.greedy_tokens, eo)
-            self._greedy = dict(zip(run, together)) if together is not None else {}
-        if i in self._greedy:
-            return self._greedy[i]
-        return self.obf.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=ref.greedy_tokens,
-                                 do_sample=False, eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:].tolist()
 
     @torch.no_grad()
     def measure(self, i: int, nll: bool = False) -> dict:
@@ -204,7 +177,9 @@ class ModelPair:
         greedy_tokens, eos = self.reference.greedy_tokens, self.reference.eos
         if greedy_tokens:
             eo = self.encode(eos) if eos else None
-            rec["greedy_same"] = int(self.decode(self._greedy_of(i, xo, eo)) == self.reference.greedy[i])
+            go = self.obf.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens,
+                                   do_sample=False, eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:]
+            rec["greedy_same"] = int(self.decode(go.tolist()) == self.reference.greedy[i])
         return rec
 
 
