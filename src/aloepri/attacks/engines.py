@@ -86,20 +86,6 @@ class Engine:
     def decoder(self) -> "Decoder":
         return Decoder(self)
 
-    def greedy(self, prompts: list[list[int]], max_new: int, eos: set[int]) -> list[list[int]]:
-        """The greedy continuation of each prompt (new tokens only, stopping after an EOS), one prompt at a time."""
-        out = []
-        for p in prompts:
-            dec, new, nxt = self.decoder(), [], torch.tensor([p])
-            for _ in range(max_new):
-                tok = int(dec.step(nxt)[0].argmax())
-                new.append(tok)
-                if tok in eos:
-                    break
-                nxt = torch.tensor([[tok]])
-            out.append(new)
-        return out
-
     def describe(self) -> str:
         return f"{self.name} {self.precision}".strip()
 
@@ -601,14 +587,18 @@ class EngineAsModel:
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id=None, **_: Any) -> Tensor:
         """Greedy continuation of each row (the prompt followed by the new tokens, stopping after an EOS)."""
-        rows = input_ids.cpu()
-        new = self.generate_many(rows.tolist(), max_new_tokens, eos_token_id)
-        return torch.stack([torch.cat([row, torch.tensor(n, dtype=row.dtype)]) for row, n in zip(rows, new)])
-
-    def generate_many(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id=None) -> list[list[int]]:
-        """The greedy continuation (new tokens only) of prompts of any lengths, as the engine best runs them."""
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        return self.engine.greedy([list(p) for p in prompts], max_new_tokens, eos)
+        rows = []
+        for row in input_ids.cpu():
+            dec, out, nxt = self.engine.decoder(), [], row[None, :]
+            for _ in range(max_new_tokens):
+                tok = int(dec.step(nxt)[0].argmax())
+                out.append(tok)
+                if tok in eos:
+                    break
+                nxt = torch.tensor([[tok]])
+            rows.append(torch.cat([row, torch.tensor(out, dtype=row.dtype)]))
+        return torch.stack(rows)
 
 
 def describe_pair(plain: Engine, obf: Engine) -> dict[str, Any]:

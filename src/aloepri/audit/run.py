@@ -194,14 +194,6 @@ def parameters(key: KeyFile) -> dict[str, Any]:
 # --- the measurements ---------------------------------------------------------------------------------------------
 
 
-def private_prompts(target, n: int, seed: int, has_tok: bool):
-    """(PrivateData, description): ``aloepri attack``'s victim prompts (``attacks.cli.victim_prompts``: Faker PII
-    prompts through the public tokenizer; without one, seeded random ids and no PII mask)."""
-    from ..attacks.cli import victim_prompts
-
-    return victim_prompts(target, n, seed, has_tok)
-
-
 def measure_fidelity(target, key: KeyFile, budget: str, has_tok: bool) -> dict[str, Any]:
     """Prompt fidelity (and, with a tokenizer at small / full, corpus top-1, KL and perplexity), holding one model at
     a time as ``aloepri eval fidelity`` does: the plaintext model's logits and greedy continuations are taken (the
@@ -340,6 +332,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
 
     from ..attacks import REGISTRY, UNAVAILABLE
     from ..attacks.base import AttackTarget, Budget, has_tokenizer, peak_rss_gib, reset_peak_rss
+    from ..attacks.cli import victim_prompts
 
     started = time.time()
     torch.set_num_threads(inp.threads)
@@ -411,7 +404,7 @@ def run_audit(plain: str | Path, obfuscated: str | Path, key: str | Path, budget
     env = {"versions": versions(), "git": git_commit(), "machine": machine()}
     with Progress(len(to_run) + 1, "audit", unit="step", enabled=progress) as bar:
         bar.start("fidelity")
-        data, prompt_info = private_prompts(target, inp.prompts, inp.seed, has_tok)
+        data, prompt_info = victim_prompts(target, inp.prompts, inp.seed, has_tok)
         try:
             reset_peak_rss()
             fidelity = measure_fidelity(target, inp.key, inp.budget, has_tok)
