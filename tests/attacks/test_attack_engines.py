@@ -17,8 +17,8 @@ import torch
 import aloepri
 from aloepri.attacks.base import AttackTarget, Budget
 from aloepri.attacks.behavioural import run_behavioural
-from aloepri.attacks.engines import (AUTO, EngineError, LlamaCppEngine, TorchEngine, choose_engine,
-                                     llama_cpp_available, open_engines, vllm_available)
+from aloepri.attacks.engines import (AUTO, Engine, EngineAsModel, EngineError, LlamaCppEngine, TorchEngine,
+                                     choose_engine, llama_cpp_available, open_engines, vllm_available)
 from attack_helpers import random_private_data
 
 CI = Budget.named("ci")
@@ -274,3 +274,26 @@ def test_vllm_engine_reads_torch_logits_and_its_controls(tmp_path, monkeypatch):
     neg = _attack(src, tmp_path, "unrelated", "vllm")
     known = neg.budget["anchors"]["template_positions_paired"] + neg.budget["anchors"]["special_pairs"]
     assert neg.metrics["vocab_recovery"] <= (known + 12) / 128
+
+
+class _CountingEngine(Engine):
+    """Next token = last token + 1 (mod V): a model whose greedy continuation is known."""
+
+    vocab_size = 16
+
+    def logits(self, seqs):
+        out = torch.full((*seqs.shape, self.vocab_size), -1.0)
+        out.scatter_(2, ((seqs + 1) % self.vocab_size)[..., None], 1.0)
+        return out
+
+
+def test_engine_generate_pads_a_row_that_stopped_at_eos_as_transformers_does():
+    model = EngineAsModel(_CountingEngine())
+    out = model.generate(torch.tensor([[1, 2], [5, 6]]), max_new_tokens=5, eos_token_id=4)
+    # row 0 stops after its EOS (3, 4) and is padded with it; row 1 runs the five steps (7, 8, 9, 10, 11)
+    assert out.tolist() == [[1, 2, 3, 4, 4, 4, 4], [5, 6, 7, 8, 9, 10, 11]]
+    # no EOS reached: every row has the prompt and max_new_tokens
+    assert model.generate(torch.tensor([[1, 2], [5, 6]]), max_new_tokens=2).tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    # an explicit pad_token_id wins over the EOS
+    assert model.generate(torch.tensor([[1, 2], [5, 6]]), max_new_tokens=3, eos_token_id=4,
+                          pad_token_id=0).tolist() == [[1, 2, 3, 4, 0], [5, 6, 7, 8, 9]]

@@ -585,7 +585,8 @@ class EngineAsModel:
         return SimpleNamespace(logits=out)
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id=None, **_: Any) -> Tensor:
+    def generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id=None,
+                 **_: Any) -> Tensor:
         """Greedy continuation of each row (the prompt followed by the new tokens, stopping after an EOS)."""
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         rows = []
@@ -598,7 +599,10 @@ class EngineAsModel:
                     break
                 nxt = torch.tensor([[tok]])
             rows.append(torch.cat([row, torch.tensor(out, dtype=row.dtype)]))
-        return torch.stack(rows)
+        # rows that stopped early are padded as transformers' generate pads them (pad_token_id, else an EOS)
+        width = max(len(r) for r in rows)
+        pad = pad_token_id if pad_token_id is not None else min(eos, default=0)
+        return torch.stack([torch.cat([r, r.new_full((width - len(r),), pad)]) for r in rows])
 
 
 def describe_pair(plain: Engine, obf: Engine) -> dict[str, Any]:
