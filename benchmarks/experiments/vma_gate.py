@@ -28,14 +28,11 @@ class Settings:
 
 
 def run(s: Settings, store: ResultStore) -> None:
-    import json
-
     import numpy as np
     import torch
-    from safetensors import safe_open
 
     from aloepri import load_key
-    from aloepri.obfuscation.checkpoint import GGUFCheckpoint
+    from aloepri.obfuscation.checkpoint import GGUFCheckpoint, open_checkpoint
 
     from ..lib.targets import obfuscated
     from ..lib.variants import parse_variant
@@ -57,22 +54,20 @@ def run(s: Settings, store: ResultStore) -> None:
     for label, params in todo:
         target = obfuscated(src, params, s.seed)
         key = load_key(target.key_path)
-        index = json.loads((target.model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+        served = open_checkpoint(target.model_dir)
 
-        def tensor(name):
-            with safe_open(str(target.model_dir / index[name]), "pt") as f:
-                return f.get_tensor(name).float()
+        def tensor(role, layer=None):
+            return served.get(role, layer, dtype=torch.float32)
 
         rng = np.random.default_rng(0)
         plain_ids = rng.choice(embed.shape[0], s.queries, replace=False)
         obf_ids = key.permutation[plain_ids]
-        e_obf = tensor("model.embed_tokens.weight")[torch.from_numpy(obf_ids)]
+        e_obf = tensor("embed")[torch.from_numpy(obf_ids)]
         dist = torch.zeros(s.queries, embed.shape[0])
         for l in range(s.layers):
             # the server's own norm weight fused, as on the plaintext side: with outlier_dims > 0 the kept
             # dimensions keep theirs there (not in gate_proj); without it those columns are mis-scaled
-            gate = tensor(f"model.layers.{l}.mlp.gate_proj.weight")
-            gate = gate * tensor(f"model.layers.{l}.post_attention_layernorm.weight")[None, :]
+            gate = tensor("gate", l) * tensor("ffn_norm", l)[None, :]
             dist += torch.cdist(sorted_rows(e_obf @ gate.T), plain[l])
         rate = float((dist.argmin(dim=1).numpy() == plain_ids).mean())
         store.put(label, {"recovered_fraction": rate, "params": params.to_dict(), "model": src.name,
