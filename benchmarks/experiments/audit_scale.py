@@ -103,6 +103,9 @@ def draw(points: list[dict], png) -> None:
 
 
 SUMMARY = "the audit's memory and time against model size, torch beside llama.cpp q8_0"
-CONFIGS = {"small": Settings()}
+CONFIGS = {"small": Settings(),
+           # `ci`, the budget the guide gives a large model: each real model on both engines and the 8B shape
+           "ci": Settings(configs=tuple(f"{m}-ci-{e}" for m in ("smollm2", "qwen-coder", "qwen-coder-1.5b")
+                                        for e in ("torch", "llamacpp")) + ("synthetic-8b-llamacpp",))}
 DOCS = ("docs/performance.md",)
 NOTES = "reads audit_smollm2's stored runs; computes no model"

@@ -237,6 +237,10 @@ CONFIGS = {"ci": Settings(),
            # cached bfloat16 `default` output, torch (both models in process, float32) beside llama.cpp q8_0
            **{f"{m}-small-{tag}": Settings(budget="small", threads=2, model=m, seed=2026, dtype="bfloat16", engine=e)
               for m in ("smollm2", "qwen-coder") for tag, e in (("torch", "torch"), ("llamacpp", "llamacpp-q8_0"))},
+           # the same at `ci`, the budget the guide gives a large model, beside the 8B shape at ci
+           **{f"{m}-ci-{tag}": Settings(budget="ci", threads=2, model=m, seed=2026, dtype="bfloat16", engine=e)
+              for m in ("smollm2", "qwen-coder", "qwen-coder-1.5b")
+              for tag, e in (("torch", "torch"), ("llamacpp", "llamacpp-q8_0"))},
            # SmolLM2 at ci with every attack (none skipped as not needed), the command in a child: its CPU time
            "ci-all-attacks": Settings(threads=1, seed=2026, engine="torch", all_attacks=True),
            "ci-all-attacks-llamacpp": Settings(threads=1, seed=2026, engine="llamacpp-q8_0", all_attacks=True),
