@@ -77,6 +77,10 @@ class Settings:
     # the digits as a unit on the maps other configs hold (``log-reader+digits`` entries: the first of these configs
     # with a ``log-reader`` entry for the reference and volume, the same stream and key; ``digits_unit``)
     digits_from: tuple[str, ...] = ()
+    # the controls of the model's moves (``log-reader-em`` with ``move_evals`` in ``em_options``) at these volumes:
+    # ``control/victim-text+moves`` (the bigram search with the traffic's own text as reference, then the moves)
+    # and ``control/random-mapping+moves`` (a random 1:1 map, then the moves, with the generic reference)
+    moves_controls_at: tuple[int, ...] = ()
 
 
 def peak_rss_gib() -> float:
@@ -97,6 +101,7 @@ def run(s: Settings, store: ResultStore) -> None:
     keys += [f"log-reader-em/{r}/{v}" for r in s.references for v in s.em_at]
     keys += [f"log-reader+digits/{r}/{v}" for r in s.references for v in s.volumes if s.digits_from]
     keys += [f"control/{c}/{v}" for c in ("victim-text", "random-mapping") for v in s.controls_at]
+    keys += [f"control/{c}+moves/{v}" for c in ("victim-text", "random-mapping") for v in s.moves_controls_at]
     only = [x.strip() for x in os.environ.get("ALOEPRI_BENCH_ONLY", "").split(",") if x.strip()]
     unknown = [x for x in only if x not in keys]
     if unknown:
@@ -138,7 +143,10 @@ def run(s: Settings, store: ResultStore) -> None:
                     "user_text_recovery": round(float(ok[~stream.template[sl]].mean()), 4),
                     "pii_recovery": round(float(ok[stream.pii[sl]].mean()), 4)}
 
-        if method == "log-reader+digits":
+        if method.endswith("+moves"):
+            guess, extra = _moves_control(s, method, volume, observed, truth_reqs, flat, len(perm),
+                                          reference("public"), pre, post, score, lambda: _load_lm(s))
+        elif method == "log-reader+digits":
             guess, extra = _digits_entry(s, store, ref_name, volume, observed, flat, tok, len(perm),
                                          reference(ref_name), pre, post, score)
         elif method == "log-reader-em":
@@ -314,14 +322,45 @@ def _em_entry(s: Settings, store: ResultStore, ref_name: str, volume: int, obser
     if s.em_rounds:
         parts["+ EM with the model"] = part(em[-1] if em else chosen)
     parts["+ digits as a unit"] = part(dg[-1] if dg else (em[-1] if em else chosen))
+    if options.get("move_evals"):
+        mv = [e for e in res.trace if e["stage"].startswith("model moves: round") and e.get("kept")]
+        parts["+ moves judged by the model"] = part(mv[-1]) if mv else parts["+ digits as a unit"]
     seen = np.unique(flat)
     return res.obf_to_plain[flat], {
         "trace": res.trace, "anchors": res.anchors, "parts": parts, "start_from": source,
         "search_seconds": searched, "model_seconds": model_seconds, "em_rounds": s.em_rounds,
         "em_rounds_kept": sum(bool(e.get("kept")) for e in res.trace if e["stage"].startswith("model EM")),
         "digit_swaps_kept": bool(dg),
+        "move_rounds_kept": sum(bool(e.get("kept")) for e in res.trace if e["stage"].startswith("model moves: round")),
         "em_options": {k: v for k, v in options.items() if k != "digits"},
         "map": {"cipher": seen.tolist(), "plain": res.obf_to_plain[seen].tolist()}}
+
+
+def _moves_control(s: Settings, method: str, volume: int, observed, truth_reqs, flat, vocab: int, ref, pre, post,
+                   score, lm_of) -> tuple[np.ndarray, dict]:
+    """The controls of the model's moves: ``control/victim-text+moves`` (positive: the bigram search with the
+    traffic's own text as reference, then the moves as ``log-reader-em`` makes them) and
+    ``control/random-mapping+moves`` (negative: a random 1:1 map of the observed ids, then the moves, with the
+    generic reference). ``parts``: the figures before and after the moves."""
+    from aloepri.attacks.log_reader import decipher_logs
+
+    opts = {k: v for k, v in dict(s.em_options).items() if k.startswith("move_") or k == "sample_tokens"}
+    seen = np.unique(flat)
+    common = {"lm": lm_of(), "lm_bigram": False, "lm_rounds": 0, "lm_options": opts, "seed": s.seed,
+              "progress": score}
+    if method.startswith("control/victim-text"):
+        res = decipher_logs(observed, vocab, truth_reqs, pre, post, **common)
+    else:
+        rand = np.random.default_rng(s.seed + 7).permutation(vocab)
+        res = decipher_logs(observed, vocab, ref, pre, post, init={int(c): int(rand[c]) for c in seen},
+                            fresh=False, block_rounds=0, anneal_steps=0, **common)
+    figures = ("token_recovery", "user_text_recovery", "pii_recovery", "model_ll")
+    start = next(e for e in res.trace if e["stage"] == "model moves: start")
+    kept = [e for e in res.trace if e["stage"].startswith("model moves: round") and e.get("kept")]
+    parts = {"before the moves": {k: start[k] for k in figures},
+             "+ moves judged by the model": {k: (kept[-1] if kept else start)[k] for k in figures}}
+    return res.obf_to_plain[flat], {"trace": res.trace, "anchors": res.anchors, "parts": parts,
+                                    "map": {"cipher": seen.tolist(), "plain": res.obf_to_plain[seen].tolist()}}
 
 
 def render(entries: dict) -> str:
@@ -418,6 +457,20 @@ CONFIGS = {
     # the third key's maps (smollm2-seed2: its own stream of 10^4 tokens), the digits as a unit
     "smollm2-seed2-digits": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), seed=2,
                                      digits_from=("smollm2-seed2",)),
+    # moves of one or two ids judged by the public model (``model_moves``) after the model has chosen the start,
+    # one volume per config (the model's reading is the time: run them one by one). Generic reference at 10^3:
+    # the starts of ``smollm2-em`` (the bigram search, decipher_stream); with both controls of the moves
+    "smollm2-moves-1e3-public": Settings(
+        volumes=(), references=("public",), old_at=(), controls_at=(), em_at=(1_000,), em_from="smollm2",
+        stream_tokens=1_000_000, em_rounds=0, moves_controls_at=(1_000,),
+        em_options=(("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2))),
+    # from the maps with the digits read as a unit (smollm2-digits), 10^4 and 10^5, each reference: the model
+    # reads a sample of 4,000 tokens
+    **{f"smollm2-moves-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
+        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
+        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
+        em_options=(("sample_tokens", 4_000), ("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2)))
+       for v in (10_000, 100_000) for r in REFERENCES},
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }

@@ -845,6 +845,8 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
               min_occurrences: int = 1, sample_tokens: int | None = None, cover: int = 3, batch_tokens: int = 2048,
               device=None, digits: Sequence[int] | None = None, digit_rounds: int = 4, digit_occurrences: int = 4,
               digit_check_each: bool = False, context: int = 24, ahead: int = 6, seed: int = 0,
+              move_evals: int = 0, move_rounds: int = 3, move_top: int = 16, move_min_occurrences: int = 2,
+              move_occurrences: int = 8,
               record: Callable[[dict, np.ndarray], None] | None = None) -> tuple[np.ndarray, ModelReading]:
     """The public model reading whole requests. ``starts``: (name, map) pairs; the model reads a sample of the
     requests deciphered by each (``cover_sample``: all of them when they fit ``sample_tokens``; ``ModelReading``)
@@ -854,8 +856,9 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
     Then ``rounds`` of EM with its full-context predictions: every id read at least ``min_occurrences`` times is
     re-assigned by a 1:1 matching on the model's scores plus the bigram's right context (``_lm_candidates``), the
     new map kept only when the model's likelihood of the sample rises; after a rejected round, half as many ids
-    move. Then the digits as a unit (``digits``: their plaintext ids; ``_digits_unit``). Returns the map and the
-    model's reading of it."""
+    move. Then the digits as a unit (``digits``: their plaintext ids; ``_digits_unit``). Then, with
+    ``move_evals``, moves of one or two ids at once judged by the model (``model_moves``: ``move_*`` its
+    keywords). Returns the map and the model's reading of it."""
     c = len(model.cols)
     n = len(starts[0][1])
     rng = np.random.default_rng(seed)
@@ -906,7 +909,133 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
                                   rounds=digit_rounds, occurrences=digit_occurrences, context=context,
                                   ahead=ahead, batch_tokens=batch_tokens, device=device, rng=rng, record=record,
                                   check_each=digit_check_each)
+    if move_evals > 0:
+        m, mean_ll = model_moves(lm, model, rows, m, fixed, holder, evals=move_evals, rounds=move_rounds,
+                                 top=move_top, min_occurrences=move_min_occurrences,
+                                 occurrences=move_occurrences, context=context, ahead=ahead,
+                                 batch_tokens=batch_tokens, device=device, seed=seed, record=record)
+        # only the likelihood is read on from here (the kept map's yardstick); the sparse scores are the EM's
+        reading.mean_ll = mean_ll
     return m, reading
+
+
+def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.ndarray, fixed: dict[int, int],
+                holder: int, *, evals: int, rounds: int = 3, top: int = 16, min_occurrences: int = 2,
+                per_id: int = 3, occurrences: int = 8, context: int = 24, ahead: int = 6, batch_tokens: int = 2048, device=None,
+                seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
+                ) -> tuple[np.ndarray, float]:
+    """Moves of one or two ids at once, proposed and judged by the public model (where the bigram search and
+    single-id hill climbing stall: a swap moves two ids jointly). The model reads the sample ``rows`` under the map
+    ``m``; for every free id read at least ``min_occurrences`` times, the plaintext its predictions favour most
+    over the id's occurrences (summed log-probability above each occurrence's floor, its ``top`` next tokens; its
+    ``per_id`` best) are proposed: the id moves there and the id holding that plaintext, if any, takes the id's
+    old one (a swap; anchors never move), estimated by the same sums for both ids. Proposals in decreasing order
+    of that estimate, at most
+    ``evals`` per round, each judged exactly by the model on windows (``context`` tokens before and ``ahead``
+    after up to ``occurrences`` sampled occurrences of each id moved, the windows read with and without the move)
+    and applied when the windows' likelihood rises. After each round the whole sample is read again and the round
+    is kept only if the model's mean log-likelihood per token rose (the observer's yardstick; the key is never
+    used); the next round's proposals come from that reading. Returns the map and its mean log-likelihood."""
+    c = len(model.cols)
+    n = len(m)
+    vocab = len(model.index)
+    rng = np.random.default_rng(seed)
+    fixed_cols = set(int(v) for v in fixed.values())
+    where: dict[int, list[tuple[int, int]]] = {}
+    for i, rr in enumerate(rows):
+        for t, q in enumerate(np.asarray(rr).tolist()):
+            where.setdefault(q, []).append((i, t))
+    pos_rows = np.concatenate([np.asarray(r[1:], np.int64) for r in rows if len(r) > 1])
+
+    def plain_of(mm: np.ndarray) -> np.ndarray:
+        return np.where(mm < c, model.cols[np.minimum(mm, c - 1)], holder)
+
+    def read_all(mm: np.ndarray):
+        p = plain_of(mm)
+        out = lm_read(lm, [p[r] for r in rows], top=top, batch_tokens=batch_tokens, device=device)
+        actual = np.concatenate([x[0] for x in out])
+        return float(actual.mean()) if len(actual) else 0.0, out
+
+    mean_ll, reading = read_all(m)
+    if record:
+        record({"stage": "model moves: start", "model_ll": round(mean_ll, 4)}, m)
+    for rnd in range(rounds):
+        tried: set[tuple[int, int]] = set()  # within a round (the next round reads another map)
+        tops = np.concatenate([x[1] for x in reading])
+        vals = np.concatenate([x[2] for x in reading]).astype(np.float64)
+        gain = vals - vals[:, -1:]
+        movable = np.ones(n, bool)
+        movable[list(fixed)] = False
+        occ = np.bincount(pos_rows, minlength=n)
+        movable &= occ >= max(1, min_occurrences)
+        ok = movable[pos_rows][:, None] & (tops < vocab)  # a model vocabulary past the tokenizer's: not a plaintext
+        at_row = np.broadcast_to(pos_rows[:, None], tops.shape)
+        agg = sp.csr_matrix((gain[ok], (at_row[ok], tops[ok])), shape=(n, vocab))
+        agg.sum_duplicates()
+        cur_plain = plain_of(m)
+        holder_of = {int(v): int(r) for r, v in enumerate(m) if v < c}
+        proposals = []
+        for q in np.flatnonzero(movable):
+            lo, hi = agg.indptr[q], agg.indptr[q + 1]
+            if lo == hi:
+                continue
+            here = float(agg[q, cur_plain[q]]) if m[q] < c else 0.0
+            for j in lo + np.argsort(-agg.data[lo:hi])[:per_id]:
+                b = int(agg.indices[j])
+                if b == cur_plain[q] and m[q] < c:
+                    continue
+                # the joint estimate of the two-id move: q onto b, b's holder onto q's plaintext
+                h = holder_of.get(int(model.index[b]))
+                est = float(agg.data[j]) - here
+                if h is not None:
+                    est += (float(agg[h, cur_plain[q]]) if m[q] < c else 0.0) - float(agg[h, b])
+                if est > 0:
+                    proposals.append((est, int(q), b))
+        proposals.sort(key=lambda x: -x[0])
+        start_m, start_ll = m.copy(), mean_ll
+        done = applied = 0
+        for est, q, b in proposals:
+            if done >= evals:
+                break
+            col = int(model.index[b])
+            if col >= c or col in fixed_cols or (q, col) in tried or m[q] == col:
+                continue
+            holders = np.flatnonzero(m == col)
+            if any(int(h) in fixed for h in holders):
+                continue
+            tried.add((q, col))
+            new = m.copy()
+            new[q] = col
+            new[holders] = m[q]
+            moved = [q] + [int(h) for h in holders]
+            old_p, new_p = plain_of(m), plain_of(new)
+            occs = []
+            for r in moved:
+                o = where.get(r, [])
+                occs += o if len(o) <= occurrences else [o[k] for k in rng.choice(len(o), occurrences, False)]
+            segs = [np.asarray(rows[i])[max(0, t - context):t + ahead + 1] for i, t in occs]
+            scored = lm_read(lm, [old_p[s] for s in segs] + [new_p[s] for s in segs], top=1,
+                             batch_tokens=batch_tokens, device=device)
+            k = len(segs)
+            delta = sum(float(x[0].sum()) for x in scored[k:]) - sum(float(x[0].sum()) for x in scored[:k])
+            done += 1
+            if delta > 0:
+                m = new
+                applied += 1
+        if not applied:
+            break
+        new_ll, new_reading = read_all(m)
+        kept = new_ll > start_ll
+        if kept:
+            mean_ll, reading = new_ll, new_reading
+        else:
+            m = start_m
+        if record:
+            record({"stage": f"model moves: round {rnd + 1}", "model_ll": round(new_ll, 4), "evals": done,
+                    "applied": applied, "kept": bool(kept)}, m)
+        if not kept:
+            break
+    return m, mean_ll
 
 
 def _digits_unit(lm, reading: ModelReading, read: Callable[[np.ndarray], ModelReading], model: CandidateModel,
