@@ -233,6 +233,9 @@ CONFIGS = {"isa_attention": Settings(),
            # the current code's run alone (the baseline's is in commands-attack), for a run started beside it
            "commands-attack-current": Settings(attacks=(), commands=("attack_all",), versions=("after",),
                                                baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
+           # the shared tokenization (corpora.encode_text) and VMA's numpy sort against the code before them
+           "commands-attack-shared": Settings(attacks=(), commands=("attack_all",),
+                                              baseline="8f8232af743748bee134f1505383ad2883ce6b1f"),
            "commands-audit": Settings(attacks=(), commands=("audit_all",),
                                       baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
            "smoke": Settings(attacks=("gate-ia",))}

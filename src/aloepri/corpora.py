@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import gzip
 import re
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -104,11 +106,50 @@ def document_ids(name: str) -> list[str]:
     return [i for i, _ in documents(name)]
 
 
-def tokenize_texts(tokenizer, texts: list[str], max_tokens: int | None = None) -> np.ndarray:
-    """Concatenated token ids of ``texts`` (no special tokens), cut at ``max_tokens``."""
-    out: list[int] = []
+@dataclass
+class _Encoded:
+    ids: dict[str, np.ndarray] = field(default_factory=dict)
+    tokens: int = 0
+
+
+# tokenizer -> the texts it encoded and their ids (weakly keyed: dropped with the tokenizer), bounded below
+_ENCODED: "weakref.WeakKeyDictionary[object, _Encoded]" = weakref.WeakKeyDictionary()
+ENCODED_MAX_TOKENS = 4_000_000  # per tokenizer (32 MB of ids): past it the memo starts afresh
+
+
+def encode_text(tokenizer, text: str) -> np.ndarray:
+    """``tokenizer(text, add_special_tokens=False)["input_ids"]`` as a read-only int64 array, each text encoded
+    once per tokenizer and process: the attacks of one run (``aloepri attack all``, the audit) read the same public
+    text (fortunes and debian-reference: SDA, IMA, the log reader; python-docs: the frequency settings; the
+    stdlib: the behavioural attacks), each from scratch before. A tokenizer that cannot be weakly referenced is
+    not remembered (every call encodes)."""
+    try:
+        memo = _ENCODED.get(tokenizer)
+        if memo is None:
+            memo = _ENCODED[tokenizer] = _Encoded()
+    except TypeError:
+        memo = _Encoded()
+    ids = memo.ids.get(text)
+    if ids is None:
+        ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        ids.flags.writeable = False
+        if memo.tokens + len(ids) > ENCODED_MAX_TOKENS:
+            memo.ids.clear()
+            memo.tokens = 0
+        memo.ids[text] = ids
+        memo.tokens += len(ids)
+    return ids
+
+
+def tokenize_texts(tokenizer, texts: Iterable[str], max_tokens: int | None = None) -> np.ndarray:
+    """Concatenated token ids of ``texts`` (no special tokens), cut at ``max_tokens`` (``encode_text``: each text
+    encoded once per tokenizer and process). A new array, the caller's to change."""
+    parts: list[np.ndarray] = []
+    n = 0
     for t in texts:
-        out.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
-        if max_tokens is not None and len(out) >= max_tokens:
-            return np.asarray(out[:max_tokens], dtype=np.int64)
-    return np.asarray(out, dtype=np.int64)
+        parts.append(encode_text(tokenizer, t))
+        n += len(parts[-1])
+        if max_tokens is not None and n >= max_tokens:
+            break
+    out = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return out[:max_tokens].copy() if max_tokens is not None else out

@@ -170,15 +170,14 @@ def published_special_anchors(plain_config, server_dir: str | Path) -> list[tupl
 
 
 def public_text_ids(tokenizer, max_tokens: int = 200_000) -> np.ndarray:
-    """Public text the attacker can always get offline: the Python standard library's own sources."""
+    """Public text the attacker can always get offline: the Python standard library's own sources (each file
+    encoded once per tokenizer and process: ``corpora.encode_text``)."""
     import sysconfig
 
-    out: list[int] = []
-    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        out.extend(tokenizer(p.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"])
-        if len(out) >= max_tokens:
-            break
-    return np.asarray(out[:max_tokens], dtype=np.int64)
+    from ..corpora import tokenize_texts
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    return tokenize_texts(tokenizer, (p.read_text(encoding="utf-8", errors="replace") for p in files), max_tokens)
 
 
 # --- running the two models ------------------------------------------------------------------------------------

@@ -496,13 +496,13 @@ def decipher_stream(requests: Sequence[Sequence[int]], vocab_size: int, referenc
 
 def public_reference(tokenizer, max_tokens: int) -> list[np.ndarray]:
     """The observer's text: fortunes + debian-reference (Debian packages; neither is the client's source), one
-    token sequence per document."""
-    from ..corpora import corpus
+    token sequence per document (each encoded once per tokenizer and process: ``corpora.encode_text``)."""
+    from ..corpora import corpus, encode_text
 
     out, total = [], 0
     for name in ("fortunes", "debian-reference"):
         for doc in corpus(name):
-            ids = np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], np.int64)
+            ids = encode_text(tokenizer, doc).copy()
             out.append(ids)
             total += len(ids)
             if total >= max_tokens:

@@ -267,8 +267,18 @@ def signatures(src: Source, rows: Tensor | None, sketch: int, chunk: int = 1024)
     out = torch.empty(len(idx), len(pos), device=dev)
     for s in range(0, len(idx), chunk):
         y = src.left[idx[s:s + chunk]] @ right
-        out[s:s + chunk] = torch.sort(y, dim=1).values[:, pos]
+        out[s:s + chunk] = order_statistics(y, pos)
     return out * (right.shape[1] / len(pos)) ** 0.5
+
+
+def order_statistics(y: Tensor, pos: Tensor) -> Tensor:
+    """The entries at ``pos`` of each row of ``y`` sorted ascending. On the CPU through numpy's vectorised sort
+    (measured on (1024, 1536) float32 rows, one thread: 0.014 s against torch.sort's 0.090; most of the weight
+    signatures' time was that sort): the same values bit for bit, a sort moves values and computes none (a -0.0
+    and a 0.0 may trade places: equal, and equal in every product after). torch.sort elsewhere."""
+    if y.device.type == "cpu" and y.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sort(y.detach().numpy(), axis=1)[:, pos.cpu().numpy()])
+    return torch.sort(y, dim=1).values[:, pos]
 
 
 def candidate_signatures(target: AttackTarget, src: Source, sketch: int) -> Tensor:
