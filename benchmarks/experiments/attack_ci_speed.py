@@ -42,9 +42,11 @@ class Settings:
     prompts: int = 50
     threads: int = 1
     commands: tuple[str, ...] = ()  # whole commands timed before / after: "attack_all", "audit_all"
+    current: str | None = None  # the "after" code from this commit (git archive), not the working tree's src/
 
 
 def _baseline_src(commit: str, into: Path) -> Path:
+    into.mkdir(parents=True, exist_ok=True)
     archive = into / "src.tar"
     with open(archive, "wb") as f:
         subprocess.run(["git", "archive", commit, "src"], cwd=REPO, stdout=f, check=True)
@@ -114,7 +116,8 @@ def _run_commands(s: Settings, store: ResultStore, target, srcs: dict[str, Path]
                 child, wall = _child(argv, srcs[version], work)
                 attacks = _command_attacks(command, work)
             entry = {"command": "aloepri " + " ".join(Path(a).name if a.startswith("/") else a for a in argv),
-                     "code": s.baseline if version == "before" else "current", "wall_seconds": round(wall, 1),
+                     "code": s.baseline if version == "before" else (s.current or "current"),
+                     "wall_seconds": round(wall, 1),
                      "cpu_seconds": child["cpu_seconds"], "peak_rss_mib": child["peak_rss_mib"],
                      "load_seconds": child["load_seconds"], "attacks": attacks,
                      "load_average_before": load_before,
@@ -132,7 +135,8 @@ def run(s: Settings, store: ResultStore) -> None:
 
     target = obfuscated(model_path(s.model), aloepri.resolve_params(s.preset), s.seed)
     with tempfile.TemporaryDirectory(prefix="attack-ci-speed-") as tmp:
-        srcs = {"before": _baseline_src(s.baseline, Path(tmp)), "after": REPO / "src"}
+        srcs = {"before": _baseline_src(s.baseline, Path(tmp) / "before"),
+                "after": _baseline_src(s.current, Path(tmp) / "after") if s.current else REPO / "src"}
         if s.commands:
             _run_commands(s, store, target, srcs, tmp)
             return
@@ -235,7 +239,8 @@ CONFIGS = {"isa_attention": Settings(),
                                                baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
            # the shared tokenization (corpora.encode_text) and VMA's numpy sort against the code before them
            "commands-attack-shared": Settings(attacks=(), commands=("attack_all",),
-                                              baseline="8f8232af743748bee134f1505383ad2883ce6b1f"),
+                                              baseline="8f8232af743748bee134f1505383ad2883ce6b1f",
+                                              current="8f7ed45c7fce31967ad78b45e31667b1d29704ca"),
            "commands-audit": Settings(attacks=(), commands=("audit_all",),
                                       baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
            "smoke": Settings(attacks=("gate-ia",))}
