@@ -400,3 +400,26 @@ def test_model_moves_swap_back_an_exchanged_pair_and_keep_a_random_map_unread(tr
     assert recovery(neg.obf_to_plain, observed, plain) < 0.05
     g = neg.obf_to_plain[seen]
     assert len(np.unique(g[g >= 0])) == (g >= 0).sum()
+
+
+def test_model_moves_undo_a_cycle_of_three(traffic):
+    """Three frequent words rotated (a reads as b's word, b as c's, c as a's): no swap of two undoes it, a cycle of
+    three does, and one round of the moves finds it."""
+    chain, plain, observed, perm = traffic
+    seen = np.unique(np.concatenate(observed))
+    inv = np.argsort(perm)
+    truth = {int(c): int(inv[c]) for c in seen}
+    counts = np.bincount(np.concatenate(plain), minlength=VOCAB)
+    counts[PREFIX + SUFFIX] = 0
+    x, y, z = (int(perm[w]) for w in np.argsort(-counts)[3:6])
+    rotated = dict(truth)
+    rotated[x], rotated[y], rotated[z] = truth[y], truth[z], truth[x]
+    res = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, init=rotated, fresh=False, block_rounds=0,
+                        anneal_steps=0, lm=ChainLM(chain), lm_bigram=False, lm_rounds=0,
+                        lm_options={"move_evals": 30, "move_rounds": 1})
+    assert all(res.obf_to_plain[i] == truth[i] for i in (x, y, z))
+    # without cycles of three (cycle_width 0) one round of swaps does not put it right
+    two = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, init=rotated, fresh=False, block_rounds=0,
+                        anneal_steps=0, lm=ChainLM(chain), lm_bigram=False, lm_rounds=0,
+                        lm_options={"move_evals": 30, "move_rounds": 1, "move_cycle_width": 0})
+    assert recovery(two.obf_to_plain, observed, plain) < recovery(res.obf_to_plain, observed, plain)

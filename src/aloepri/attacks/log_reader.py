@@ -846,7 +846,7 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
               device=None, digits: Sequence[int] | None = None, digit_rounds: int = 4, digit_occurrences: int = 4,
               digit_check_each: bool = False, context: int = 24, ahead: int = 6, seed: int = 0,
               move_evals: int = 0, move_rounds: int = 3, move_top: int = 16, move_min_occurrences: int = 2,
-              move_occurrences: int = 8,
+              move_occurrences: int = 8, move_cycle_width: int = 2,
               record: Callable[[dict, np.ndarray], None] | None = None) -> tuple[np.ndarray, ModelReading]:
     """The public model reading whole requests. ``starts``: (name, map) pairs; the model reads a sample of the
     requests deciphered by each (``cover_sample``: all of them when they fit ``sample_tokens``; ``ModelReading``)
@@ -912,7 +912,8 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
     if move_evals > 0:
         m, mean_ll = model_moves(lm, model, rows, m, fixed, holder, evals=move_evals, rounds=move_rounds,
                                  top=move_top, min_occurrences=move_min_occurrences,
-                                 occurrences=move_occurrences, context=context, ahead=ahead,
+                                 occurrences=move_occurrences, cycle_width=move_cycle_width, context=context,
+                                 ahead=ahead,
                                  batch_tokens=batch_tokens, device=device, seed=seed, record=record)
         # only the likelihood is read on from here (the kept map's yardstick); the sparse scores are the EM's
         reading.mean_ll = mean_ll
@@ -921,21 +922,23 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
 
 def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.ndarray, fixed: dict[int, int],
                 holder: int, *, evals: int, rounds: int = 3, top: int = 16, min_occurrences: int = 2,
-                per_id: int = 3, occurrences: int = 8, context: int = 24, ahead: int = 6, batch_tokens: int = 2048, device=None,
-                seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
+                per_id: int = 3, cycle_width: int = 2, occurrences: int = 8, context: int = 24, ahead: int = 6, batch_tokens: int = 2048,
+                device=None, seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
                 ) -> tuple[np.ndarray, float]:
     """Moves of one or two ids at once, proposed and judged by the public model (where the bigram search and
-    single-id hill climbing stall: a swap moves two ids jointly). The model reads the sample ``rows`` under the map
-    ``m``; for every free id read at least ``min_occurrences`` times, the plaintext its predictions favour most
-    over the id's occurrences (summed log-probability above each occurrence's floor, its ``top`` next tokens; its
-    ``per_id`` best) are proposed: the id moves there and the id holding that plaintext, if any, takes the id's
-    old one (a swap; anchors never move), estimated by the same sums for both ids. Proposals in decreasing order
-    of that estimate, at most
-    ``evals`` per round, each judged exactly by the model on windows (``context`` tokens before and ``ahead``
-    after up to ``occurrences`` sampled occurrences of each id moved, the windows read with and without the move)
-    and applied when the windows' likelihood rises. After each round the whole sample is read again and the round
-    is kept only if the model's mean log-likelihood per token rose (the observer's yardstick; the key is never
-    used); the next round's proposals come from that reading. Returns the map and its mean log-likelihood."""
+    single-id hill climbing stall: a swap moves two ids jointly). The model reads the sample ``rows`` under the
+    map ``m``. For every free id read at least ``min_occurrences`` times, the ``per_id`` plaintexts its
+    predictions favour most over the id's occurrences (summed log-probability above each occurrence's floor, its
+    ``top`` next tokens) are proposed: the id moves there and the id holding that plaintext, if any, takes the
+    id's old one (a swap) or one of its own ``cycle_width`` best, whose holder takes the id's old one (a cycle of
+    three ids: chains of misreadings such as ':' read as 'of' read as 'in' need it); anchors never move. Each is
+    estimated by the same sums for every id it moves. Proposals go in
+    decreasing order of that estimate, at most ``evals`` per round, each judged by the model on windows
+    (``context`` tokens before and ``ahead`` after up to ``occurrences`` sampled occurrences of each id moved,
+    read with and without the move) and applied when the windows' likelihood rises. After each round the whole
+    sample is read again, and the round is kept only if the model's mean log-likelihood per token rose (the
+    observer's yardstick; the key is never used); the next round's proposals come from that reading. Returns
+    the map and its mean log-likelihood."""
     c = len(model.cols)
     n = len(m)
     vocab = len(model.index)
@@ -960,54 +963,69 @@ def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.nda
     if record:
         record({"stage": "model moves: start", "model_ll": round(mean_ll, 4)}, m)
     for rnd in range(rounds):
-        tried: set[tuple[int, int]] = set()  # within a round (the next round reads another map)
+        tried: set = set()  # within a round (the next round reads another map)
         tops = np.concatenate([x[1] for x in reading])
         vals = np.concatenate([x[2] for x in reading]).astype(np.float64)
-        gain = vals - vals[:, -1:]
+        above = vals - vals[:, -1:]
         movable = np.ones(n, bool)
         movable[list(fixed)] = False
         occ = np.bincount(pos_rows, minlength=n)
         movable &= occ >= max(1, min_occurrences)
         ok = movable[pos_rows][:, None] & (tops < vocab)  # a model vocabulary past the tokenizer's: not a plaintext
         at_row = np.broadcast_to(pos_rows[:, None], tops.shape)
-        agg = sp.csr_matrix((gain[ok], (at_row[ok], tops[ok])), shape=(n, vocab))
+        agg = sp.csr_matrix((above[ok], (at_row[ok], tops[ok])), shape=(n, vocab))
         agg.sum_duplicates()
         cur_plain = plain_of(m)
         holder_of = {int(v): int(r) for r, v in enumerate(m) if v < c}
-        proposals = []
+        best_of: dict[int, list[int]] = {}
+
+        def gain(r: int, col: int) -> float:  # the model's sums for row r on column col, above its current one
+            to = float(agg[r, model.cols[col]]) if col < c else 0.0
+            return to - (float(agg[r, cur_plain[r]]) if m[r] < c else 0.0)
+
         for q in np.flatnonzero(movable):
             lo, hi = agg.indptr[q], agg.indptr[q + 1]
-            if lo == hi:
-                continue
-            here = float(agg[q, cur_plain[q]]) if m[q] < c else 0.0
-            for j in lo + np.argsort(-agg.data[lo:hi])[:per_id]:
-                b = int(agg.indices[j])
-                if b == cur_plain[q] and m[q] < c:
+            cols_q = [int(model.index[agg.indices[j]]) for j in lo + np.argsort(-agg.data[lo:hi])[:per_id]]
+            best_of[int(q)] = [x for x in cols_q if x < c and x != m[q] and x not in fixed_cols]
+        proposals = []  # (estimate, [(row, new column), ...]): a move, a swap, or a cycle of three ids
+        for q, tops_q in best_of.items():
+            for col in tops_q:
+                h = holder_of.get(col)
+                if h is None:
+                    proposals.append((gain(q, col), [(q, col)]))
                     continue
-                # the joint estimate of the two-id move: q onto b, b's holder onto q's plaintext
-                h = holder_of.get(int(model.index[b]))
-                est = float(agg.data[j]) - here
-                if h is not None:
-                    est += (float(agg[h, cur_plain[q]]) if m[q] < c else 0.0) - float(agg[h, b])
-                if est > 0:
-                    proposals.append((est, int(q), b))
+                if h in fixed or not movable[h]:
+                    continue
+                g1 = gain(q, col)
+                proposals.append((g1 + gain(h, int(m[q])), [(q, col), (h, int(m[q]))]))
+                for col2 in best_of.get(h, [])[:cycle_width]:
+                    h2 = holder_of.get(col2)
+                    if col2 == m[q] or h2 == q:
+                        continue
+                    if h2 is None:
+                        proposals.append((g1 + gain(h, col2), [(q, col), (h, col2)]))
+                    elif h2 not in fixed and movable[h2]:
+                        proposals.append((g1 + gain(h, col2) + gain(h2, int(m[q])),
+                                          [(q, col), (h, col2), (h2, int(m[q]))]))
+        proposals = [x for x in proposals if x[0] > 0]
         proposals.sort(key=lambda x: -x[0])
         start_m, start_ll = m.copy(), mean_ll
         done = applied = 0
-        for est, q, b in proposals:
+        for est, moves in proposals:
             if done >= evals:
                 break
-            col = int(model.index[b])
-            if col >= c or col in fixed_cols or (q, col) in tried or m[q] == col:
+            key = tuple(moves)
+            if key in tried:
                 continue
-            holders = np.flatnonzero(m == col)
-            if any(int(h) in fixed for h in holders):
-                continue
-            tried.add((q, col))
             new = m.copy()
-            new[q] = col
-            new[holders] = m[q]
-            moved = [q] + [int(h) for h in holders]
+            for r, col in moves:
+                new[r] = col
+            # still a 1:1 map from the current one (earlier moves of this round may have changed the holders)
+            taken = new[new < c]
+            if len(np.unique(taken)) != len(taken) or np.array_equal(new, m):
+                continue
+            tried.add(key)
+            moved = [r for r, _ in moves]
             old_p, new_p = plain_of(m), plain_of(new)
             occs = []
             for r in moved:
