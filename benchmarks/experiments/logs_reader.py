@@ -465,11 +465,12 @@ CONFIGS = {
         stream_tokens=1_000_000, em_rounds=0, moves_controls_at=(1_000,),
         em_options=(("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2))),
     # from the maps with the digits read as a unit (smollm2-digits), 10^4 and 10^5, each reference: the model
-    # reads a sample of 4,000 tokens
+    # reads a sample of 2,000 tokens, 20 moves judged per round on 6 occurrences of each id moved (2 shared cores)
     **{f"smollm2-moves-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
         volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
         em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
-        em_options=(("sample_tokens", 4_000), ("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2)))
+        em_options=(("sample_tokens", 2_000), ("digit_rounds", 0), ("move_evals", 20), ("move_rounds", 2),
+                    ("move_occurrences", 6)))
        for v in (10_000, 100_000) for r in REFERENCES},
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),

@@ -366,6 +366,17 @@ def test_digit_runs_positions_lengths_and_the_token_before():
     assert list(digit_runs(seq[1:3], is_digit[1:3]))[0] == (0, 2, 0, -1)  # a run at the start: no token before
 
 
+def truth_and_frequent(traffic, k: int):
+    """The observed ids, the true map (cipher id -> plaintext), and the cipher ids of k frequent words (not the
+    template's)."""
+    _, plain, observed, perm = traffic
+    seen = np.unique(np.concatenate(observed))
+    inv = np.argsort(perm)
+    counts = np.bincount(np.concatenate(plain), minlength=VOCAB)
+    counts[PREFIX + SUFFIX] = 0
+    return seen, {int(c): int(inv[c]) for c in seen}, [int(perm[w]) for w in np.argsort(-counts)[3:3 + k]]
+
+
 def test_model_moves_swap_back_an_exchanged_pair_and_keep_a_random_map_unread(traffic):
     """Moves of one or two ids judged by a model of the traffic's language: the truth with two frequent words
     exchanged goes back (a two-id move the model proposes and its likelihood accepts; a single-id move cannot undo
@@ -373,13 +384,7 @@ def test_model_moves_swap_back_an_exchanged_pair_and_keep_a_random_map_unread(tr
     with a model of another language (the same statistics under other ids), the moves read nothing of the
     traffic, and the map stays 1:1."""
     chain, plain, observed, perm = traffic
-    seen = np.unique(np.concatenate(observed))
-    inv = np.argsort(perm)
-    truth = {int(c): int(inv[c]) for c in seen}
-    counts = np.bincount(np.concatenate(plain), minlength=VOCAB)
-    counts[PREFIX + SUFFIX] = 0
-    x, y = np.argsort(-counts)[3:5]
-    a, b = int(perm[x]), int(perm[y])
+    seen, truth, (a, b) = truth_and_frequent(traffic, 2)
     swapped = dict(truth)
     swapped[a], swapped[b] = truth[b], truth[a]
     opts = {"move_evals": 30, "move_rounds": 3}
@@ -406,12 +411,7 @@ def test_model_moves_undo_a_cycle_of_three(traffic):
     """Three frequent words rotated (a reads as b's word, b as c's, c as a's): no swap of two undoes it, a cycle of
     three does, and one round of the moves finds it."""
     chain, plain, observed, perm = traffic
-    seen = np.unique(np.concatenate(observed))
-    inv = np.argsort(perm)
-    truth = {int(c): int(inv[c]) for c in seen}
-    counts = np.bincount(np.concatenate(plain), minlength=VOCAB)
-    counts[PREFIX + SUFFIX] = 0
-    x, y, z = (int(perm[w]) for w in np.argsort(-counts)[3:6])
+    _, truth, (x, y, z) = truth_and_frequent(traffic, 3)
     rotated = dict(truth)
     rotated[x], rotated[y], rotated[z] = truth[y], truth[z], truth[x]
     res = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, init=rotated, fresh=False, block_rounds=0,
