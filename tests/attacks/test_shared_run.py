@@ -114,3 +114,40 @@ def test_a_memo_key_differing_in_one_setting_is_computed_anew(tiny_dir, obfuscat
     target.memo(("probe", 1), lambda: calls.append(1) or 1)
     target.memo(("probe", 2), lambda: calls.append(1) or 2)
     assert len(calls) == 2
+
+
+
+def test_a_gguf_config_is_parsed_once_per_file(tmp_path, monkeypatch):
+    """``plain_model.source_config``: a .gguf's config parsed once per file (each call its own copy); a file
+    changed since (its modification time), another file or a checkpoint directory is parsed anew. transformers'
+    parse is counted here (stood in for by a small config: the real one takes seconds)."""
+    import os
+
+    import transformers
+    from transformers import LlamaConfig
+
+    from aloepri.obfuscation.plain_model import source_config
+
+    parsed = []
+
+    def parse(**kw):
+        parsed.append(kw)
+        return LlamaConfig(vocab_size=96, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", parse)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    a, b = source_config(gguf), source_config(gguf)
+    assert len(parsed) == 1 and parsed[0] == {"pretrained_model_name_or_path": str(tmp_path), "gguf_file": "m.gguf"}
+    assert a is not b and a.to_dict() == b.to_dict()
+    a.vocab_size = 7  # a caller's change stays its own
+    assert source_config(gguf).vocab_size == 96 and len(parsed) == 1
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: parsed again
+    source_config(gguf)
+    other = tmp_path / "n.gguf"
+    other.write_bytes(b"GGUF")
+    source_config(other)
+    source_config(tmp_path)  # a directory: never kept
+    source_config(tmp_path)
+    assert len(parsed) == 5

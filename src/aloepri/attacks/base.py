@@ -156,11 +156,9 @@ class AttackTarget:
         """The public model's config (read without loading the model, unless it is loaded already)."""
         if "plain_model" in self.__dict__:
             return self.plain_model.config
-        from transformers import AutoConfig
+        from ..obfuscation.plain_model import source_config
 
-        from ..storage.sources import pretrained_kwargs
-
-        return AutoConfig.from_pretrained(**pretrained_kwargs(self.plain_src))
+        return source_config(self.plain_src)
 
     @cached_property
     def plain_model(self):

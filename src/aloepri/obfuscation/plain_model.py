@@ -3,6 +3,8 @@ weights the obfuscation starts from, one tensor at a time into an uninitialised 
 the pipeline to measure the public model's residual stream (residual.py) and by the runtime (runtime.inference)."""
 from __future__ import annotations
 
+import copy
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -27,8 +29,6 @@ def gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """The model of a .gguf file with the weights transformers' GGUF loading gives (the same config, the same
     dequantization and q/k row order: aloepri's reader, which the obfuscation starts from), built without a
     second copy: the model is allocated uninitialised, then each tensor is dequantized into its place."""
-    from transformers import AutoConfig
-
     from .checkpoint import open_checkpoint
 
     def tensors(wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -42,7 +42,28 @@ def gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
         finally:
             ck.close()
 
-    return uninitialised_model_filled(AutoConfig.from_pretrained(**pretrained_kwargs(path)), dtype, tensors, path)
+    return uninitialised_model_filled(source_config(path), dtype, tensors, path)
+
+
+def source_config(src: str | Path):
+    """The transformers config of a checkpoint directory or a .gguf file. A .gguf's is parsed once per process and
+    file (its path, size and modification time; each call gets its own copy): transformers reads every metadata
+    field of the file for it, the whole vocabulary included (3 CPU-s for SmolLM2's), and one ``aloepri attack
+    all`` asked for it three times (``AttackTarget.plain_config``, the model's loading, IMA's own obfuscation)."""
+    from transformers import AutoConfig
+
+    p = Path(src)
+    if not p.is_file():
+        return AutoConfig.from_pretrained(**pretrained_kwargs(p))
+    st = p.stat()
+    return copy.deepcopy(_gguf_config(str(p), st.st_size, st.st_mtime_ns))
+
+
+@lru_cache(maxsize=4)
+def _gguf_config(path: str, size: int, mtime_ns: int):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(**pretrained_kwargs(path))
 
 
 class TensorMismatchError(ValueError):
