@@ -345,6 +345,7 @@ def _moves_control(s: Settings, method: str, volume: int, observed, truth_reqs, 
     from aloepri.attacks.log_reader import decipher_logs
 
     opts = {k: v for k, v in dict(s.em_options).items() if k.startswith("move_") or k == "sample_tokens"}
+    opts.update({"digits": _digits(s), "digit_rounds": 0})  # the digits kept where they are (move_keep_digits)
     seen = np.unique(flat)
     common = {"lm": lm_of(), "lm_bigram": False, "lm_rounds": 0, "lm_options": opts, "seed": s.seed,
               "progress": score}
@@ -471,6 +472,20 @@ CONFIGS = {
         em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
         em_options=(("sample_tokens", 2_000), ("digit_rounds", 0), ("move_evals", 20), ("move_rounds", 2),
                     ("move_occurrences", 6)))
+       for v in (10_000, 100_000) for r in REFERENCES},
+    # the same with the digits kept where the reference put them (``move_keep_digits``: in random numbers the
+    # model's preferences among digits are its prior; ``smollm2-moves-1e5-public-domain`` moved digits and read
+    # less) and ids read at least 3 times; 10^3 with both controls of the moves
+    "smollm2-moves-kd-1e3-public": Settings(
+        volumes=(), references=("public",), old_at=(), controls_at=(), em_at=(1_000,), em_from="smollm2",
+        stream_tokens=1_000_000, em_rounds=0, moves_controls_at=(1_000,),
+        em_options=(("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2), ("move_keep_digits", True),
+                    ("move_min_occurrences", 3))),
+    **{f"smollm2-moves-kd-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
+        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
+        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
+        em_options=(("sample_tokens", 2_000), ("digit_rounds", 0), ("move_evals", 20), ("move_rounds", 2),
+                    ("move_occurrences", 6), ("move_keep_digits", True), ("move_min_occurrences", 3)))
        for v in (10_000, 100_000) for r in REFERENCES},
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),

@@ -395,6 +395,12 @@ def test_model_moves_swap_back_an_exchanged_pair_and_keep_a_random_map_unread(tr
     assert recovery(res.obf_to_plain, observed, plain) > 0.99
     lls = [e["model_ll"] for e in res.trace if e["stage"].startswith("model moves")]
     assert len(lls) >= 2 and lls[-1] > lls[0]
+    # the same two words kept where they are (as the digits are, with move_keep_digits): they stay exchanged
+    kept = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, init=swapped, fresh=False, block_rounds=0,
+                         anneal_steps=0, lm=ChainLM(chain), lm_bigram=False, lm_rounds=0,
+                         lm_options={**opts, "move_keep_digits": True, "digits": [truth[a], truth[b]],
+                                     "digit_rounds": 0})
+    assert kept.obf_to_plain[a] == truth[b] and kept.obf_to_plain[b] == truth[a]
     q = np.random.default_rng(8).permutation(VOCAB)
     qi = np.argsort(q)
     other_chain = chain[np.ix_(qi, qi)]

@@ -846,7 +846,7 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
               device=None, digits: Sequence[int] | None = None, digit_rounds: int = 4, digit_occurrences: int = 4,
               digit_check_each: bool = False, context: int = 24, ahead: int = 6, seed: int = 0,
               move_evals: int = 0, move_rounds: int = 3, move_top: int = 16, move_min_occurrences: int = 2,
-              move_occurrences: int = 8, move_cycle_width: int = 2,
+              move_occurrences: int = 8, move_cycle_width: int = 2, move_keep_digits: bool = False,
               record: Callable[[dict, np.ndarray], None] | None = None) -> tuple[np.ndarray, ModelReading]:
     """The public model reading whole requests. ``starts``: (name, map) pairs; the model reads a sample of the
     requests deciphered by each (``cover_sample``: all of them when they fit ``sample_tokens``; ``ModelReading``)
@@ -858,7 +858,8 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
     new map kept only when the model's likelihood of the sample rises; after a rejected round, half as many ids
     move. Then the digits as a unit (``digits``: their plaintext ids; ``_digits_unit``). Then, with
     ``move_evals``, moves of one or two ids at once judged by the model (``model_moves``: ``move_*`` its
-    keywords). Returns the map and the model's reading of it."""
+    keywords; ``move_keep_digits``: the ``digits`` neither move nor are displaced). Returns the map and the model's
+    reading of it."""
     c = len(model.cols)
     n = len(starts[0][1])
     rng = np.random.default_rng(seed)
@@ -913,7 +914,7 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
         m, mean_ll = model_moves(lm, model, rows, m, fixed, holder, evals=move_evals, rounds=move_rounds,
                                  top=move_top, min_occurrences=move_min_occurrences,
                                  occurrences=move_occurrences, cycle_width=move_cycle_width, context=context,
-                                 ahead=ahead,
+                                 ahead=ahead, keep=digits if move_keep_digits else None,
                                  batch_tokens=batch_tokens, device=device, seed=seed, record=record)
         # only the likelihood is read on from here (the kept map's yardstick); the sparse scores are the EM's
         reading.mean_ll = mean_ll
@@ -922,7 +923,7 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
 
 def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.ndarray, fixed: dict[int, int],
                 holder: int, *, evals: int, rounds: int = 3, top: int = 16, min_occurrences: int = 2,
-                per_id: int = 3, cycle_width: int = 2, occurrences: int = 8, context: int = 24, ahead: int = 6, batch_tokens: int = 2048,
+                per_id: int = 3, cycle_width: int = 2, occurrences: int = 8, keep: Sequence[int] | None = None, context: int = 24, ahead: int = 6, batch_tokens: int = 2048,
                 device=None, seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
                 ) -> tuple[np.ndarray, float]:
     """Moves of one or two ids at once, proposed and judged by the public model (where the bigram search and
@@ -937,13 +938,17 @@ def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.nda
     (``context`` tokens before and ``ahead`` after up to ``occurrences`` sampled occurrences of each id moved,
     read with and without the move) and applied when the windows' likelihood rises. After each round the whole
     sample is read again, and the round is kept only if the model's mean log-likelihood per token rose (the
-    observer's yardstick; the key is never used); the next round's proposals come from that reading. Returns
-    the map and its mean log-likelihood."""
+    observer's yardstick; the key is never used); the next round's proposals come from that reading. ``keep``:
+    plaintexts whose ids neither move nor are displaced (the digits, read as a unit from the reference: in random
+    numbers the model's preferences among digits are its prior, not the traffic). Returns the map and its mean
+    log-likelihood."""
     c = len(model.cols)
     n = len(m)
     vocab = len(model.index)
     rng = np.random.default_rng(seed)
     fixed_cols = set(int(v) for v in fixed.values())
+    kept_cols = set(int(x) for x in model.index[np.asarray(keep, np.int64)] if x < c) if keep is not None else set()
+    fixed_cols |= kept_cols
     where: dict[int, list[tuple[int, int]]] = {}
     for i, rr in enumerate(rows):
         for t, q in enumerate(np.asarray(rr).tolist()):
@@ -969,6 +974,7 @@ def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.nda
         above = vals - vals[:, -1:]
         movable = np.ones(n, bool)
         movable[list(fixed)] = False
+        movable[np.isin(m, list(kept_cols))] = False
         occ = np.bincount(pos_rows, minlength=n)
         movable &= occ >= max(1, min_occurrences)
         ok = movable[pos_rows][:, None] & (tops < vocab)  # a model vocabulary past the tokenizer's: not a plaintext
