@@ -494,6 +494,14 @@ CONFIGS = {
         em_options=(("sample_tokens", 6_000), ("digit_rounds", 0), ("move_evals", 40), ("move_rounds", 3),
                     ("move_occurrences", 6), ("move_keep_digits", True), ("move_min_occurrences", 3)))
        for v in (10_000, 100_000) for r in REFERENCES},
+    # proposals ranked by the gain per occurrence (``move_rank`` "mean"), 6,000 tokens, 40 moves per round
+    **{f"smollm2-moves-mean-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
+        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
+        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
+        em_options=(("sample_tokens", 6_000), ("digit_rounds", 0), ("move_evals", 40), ("move_rounds", 3),
+                    ("move_occurrences", 6), ("move_keep_digits", True), ("move_min_occurrences", 3),
+                    ("move_rank", "mean")))
+       for v in (10_000, 100_000) for r in REFERENCES},
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }

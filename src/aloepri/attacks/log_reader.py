@@ -847,6 +847,7 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
               digit_check_each: bool = False, context: int = 24, ahead: int = 6, seed: int = 0,
               move_evals: int = 0, move_rounds: int = 3, move_top: int = 16, move_min_occurrences: int = 2,
               move_occurrences: int = 8, move_cycle_width: int = 2, move_keep_digits: bool = False,
+              move_rank: str = "total",
               record: Callable[[dict, np.ndarray], None] | None = None) -> tuple[np.ndarray, ModelReading]:
     """The public model reading whole requests. ``starts``: (name, map) pairs; the model reads a sample of the
     requests deciphered by each (``cover_sample``: all of them when they fit ``sample_tokens``; ``ModelReading``)
@@ -914,7 +915,7 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
         m, mean_ll = model_moves(lm, model, rows, m, fixed, holder, evals=move_evals, rounds=move_rounds,
                                  top=move_top, min_occurrences=move_min_occurrences,
                                  occurrences=move_occurrences, cycle_width=move_cycle_width, context=context,
-                                 ahead=ahead, keep=digits if move_keep_digits else None,
+                                 ahead=ahead, keep=digits if move_keep_digits else None, rank=move_rank,
                                  batch_tokens=batch_tokens, device=device, seed=seed, record=record)
         # only the likelihood is read on from here (the kept map's yardstick); the sparse scores are the EM's
         reading.mean_ll = mean_ll
@@ -923,7 +924,8 @@ def lm_refine(lm, model: CandidateModel, stream: ObservedStream, left, right, co
 
 def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.ndarray, fixed: dict[int, int],
                 holder: int, *, evals: int, rounds: int = 3, top: int = 16, min_occurrences: int = 2,
-                per_id: int = 3, cycle_width: int = 2, occurrences: int = 8, keep: Sequence[int] | None = None, context: int = 24, ahead: int = 6, batch_tokens: int = 2048,
+                per_id: int = 3, cycle_width: int = 2, occurrences: int = 8, keep: Sequence[int] | None = None,
+                rank: str = "total", context: int = 24, ahead: int = 6, batch_tokens: int = 2048,
                 device=None, seed: int = 0, record: Callable[[dict, np.ndarray], None] | None = None
                 ) -> tuple[np.ndarray, float]:
     """Moves of one or two ids at once, proposed and judged by the public model (where the bigram search and
@@ -933,7 +935,9 @@ def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.nda
     ``top`` next tokens) are proposed: the id moves there and the id holding that plaintext, if any, takes the
     id's old one (a swap) or one of its own ``cycle_width`` best, whose holder takes the id's old one (a cycle of
     three ids: chains of misreadings such as ':' read as 'of' read as 'in' need it); anchors never move. Each is
-    estimated by the same sums for every id it moves. Proposals go in
+    estimated by the same sums for every id it moves (``rank`` "mean": per occurrence of the ids moved, so that
+    a rare id the model reads with confidence comes before a frequent one it merely finds more fluent). Proposals
+    go in
     decreasing order of that estimate, at most ``evals`` per round, each judged by the model on windows
     (``context`` tokens before and ``ahead`` after up to ``occurrences`` sampled occurrences of each id moved,
     read with and without the move) and applied when the windows' likelihood rises. After each round the whole
@@ -1014,6 +1018,8 @@ def model_moves(lm, model: CandidateModel, rows: Sequence[np.ndarray], m: np.nda
                         proposals.append((g1 + gain(h, col2) + gain(h2, int(m[q])),
                                           [(q, col), (h, col2), (h2, int(m[q]))]))
         proposals = [x for x in proposals if x[0] > 0]
+        if rank == "mean":  # the gain per occurrence of the ids moved: confident moves of rare ids first
+            proposals = [(est / max(1, sum(int(occ[r]) for r, _ in mv)), mv) for est, mv in proposals]
         proposals.sort(key=lambda x: -x[0])
         start_m, start_ll = m.copy(), mean_ll
         done = applied = 0
