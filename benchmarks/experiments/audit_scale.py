@@ -79,8 +79,11 @@ def report(store: ResultStore) -> str:
 
 
 def draw(points: list[dict], png) -> None:
+    from matplotlib.ticker import FixedLocator, NullFormatter
+
     from ..lib.plots import figure
 
+    budgets = {p["budget"] for p in points}
     with figure(png, (9, 3.6)) as ax:
         fig = ax.figure
         fig.clear()
@@ -91,11 +94,17 @@ def draw(points: list[dict], png) -> None:
                 pts = sorted((p for p in points if p["engine"] == engine), key=lambda p: p["parameters"])
                 ax.plot([p["parameters"] for p in pts], [p[key] * scale for p in pts], "o-", label=engine)
                 for p in pts:
-                    if p["synthetic"] or p["budget"] != "small":
-                        ax.annotate(f"{'shape, ' if p['synthetic'] else ''}{p['budget']}",
-                                    (p["parameters"], p[key] * scale), fontsize=6, xytext=(3, 3),
-                                    textcoords="offset points")
+                    # the budget is named only where the points mix budgets
+                    note = ", ".join(([p["budget"]] if len(budgets) > 1 else [])
+                                     + (["shape, random weights"] if p["synthetic"] else []))
+                    if note:
+                        ax.annotate(note, (p["parameters"], p[key] * scale), fontsize=6, xytext=(-4, -10),
+                                    textcoords="offset points", ha="right")
             ax.set_xscale("log")
+            ticks = [1e8, 3e8, 1e9, 3e9, 1e10]
+            ax.xaxis.set_major_locator(FixedLocator(ticks))
+            ax.set_xticklabels([f"{t / 1e9:g}B" for t in ticks])
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("parameters")
             ax.set_title(label, fontsize=9)
             ax.grid(alpha=0.3)
