@@ -429,3 +429,8 @@ def test_model_moves_undo_a_cycle_of_three(traffic):
                         anneal_steps=0, lm=ChainLM(chain), lm_bigram=False, lm_rounds=0,
                         lm_options={"move_evals": 30, "move_rounds": 1, "move_cycle_width": 0})
     assert recovery(two.obf_to_plain, observed, plain) < recovery(res.obf_to_plain, observed, plain)
+    # ranked by the gain per occurrence, the same
+    mean = decipher_logs(observed, VOCAB, plain, PREFIX, SUFFIX, init=rotated, fresh=False, block_rounds=0,
+                         anneal_steps=0, lm=ChainLM(chain), lm_bigram=False, lm_rounds=0,
+                         lm_options={"move_evals": 30, "move_rounds": 1, "move_rank": "mean"})
+    assert all(mean.obf_to_plain[i] == truth[i] for i in (x, y, z))
