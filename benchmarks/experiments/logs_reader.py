@@ -143,8 +143,8 @@ def run(s: Settings, store: ResultStore) -> None:
                     "user_text_recovery": round(float(ok[~stream.template[sl]].mean()), 4),
                     "pii_recovery": round(float(ok[stream.pii[sl]].mean()), 4)}
 
-        if method.endswith("+moves"):
-            guess, extra = _moves_control(s, method, volume, observed, truth_reqs, flat, len(perm),
+        if key.startswith("control/") and ref_name.endswith("+moves"):
+            guess, extra = _moves_control(s, ref_name, volume, observed, truth_reqs, flat, len(perm),
                                           reference("public"), pre, post, score, lambda: _load_lm(s))
         elif method == "log-reader+digits":
             guess, extra = _digits_entry(s, store, ref_name, volume, observed, flat, tok, len(perm),
@@ -349,7 +349,7 @@ def _moves_control(s: Settings, method: str, volume: int, observed, truth_reqs, 
     seen = np.unique(flat)
     common = {"lm": lm_of(), "lm_bigram": False, "lm_rounds": 0, "lm_options": opts, "seed": s.seed,
               "progress": score}
-    if method.startswith("control/victim-text"):
+    if method.startswith("victim-text"):
         res = decipher_logs(observed, vocab, truth_reqs, pre, post, **common)
     else:
         rand = np.random.default_rng(s.seed + 7).permutation(vocab)
