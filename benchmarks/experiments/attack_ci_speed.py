@@ -241,6 +241,11 @@ CONFIGS = {"isa_attention": Settings(),
            "commands-attack-shared": Settings(attacks=(), commands=("attack_all",),
                                               baseline="8f8232af743748bee134f1505383ad2883ce6b1f",
                                               current="8f7ed45c7fce31967ad78b45e31667b1d29704ca"),
+           # the same with the .gguf config parsed once (plain_model.source_config) too: its run alone, the baseline's
+           # is in commands-attack-shared
+           "commands-attack-shared-after": Settings(attacks=(), commands=("attack_all",), versions=("after",),
+                                                    baseline="8f8232af743748bee134f1505383ad2883ce6b1f",
+                                                    current="de27246278d12c1b32c9aa6b66f6e169fab0c7d1"),
            "commands-audit": Settings(attacks=(), commands=("audit_all",),
                                       baseline="54306966aa61aa222f2ff90bac0414006a01149d"),
            "smoke": Settings(attacks=("gate-ia",))}
