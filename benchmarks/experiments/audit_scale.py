@@ -116,5 +116,5 @@ CONFIGS = {"small": Settings(),
            # `ci`, the budget the guide gives a large model: each real model on both engines and the 8B shape
            "ci": Settings(configs=tuple(f"{m}-ci-{e}" for m in ("smollm2", "qwen-coder", "qwen-coder-1.5b")
                                         for e in ("torch", "llamacpp")) + ("synthetic-8b-llamacpp",))}
-DOCS = ("docs/performance.md",)
+DOCS = ("docs/performance.md", "docs/audit.md")
 NOTES = "reads audit_smollm2's stored runs; computes no model"
