@@ -402,6 +402,21 @@ def report(store: ResultStore) -> str:
     return render(entries) + f"\n\nFigure: results/{store.experiment}/{figure.name}"
 
 
+def _moves(volume: int, ref: str, sample: int, evals: int, rounds: int, keep_digits: bool = True,
+           rank: str | None = None) -> Settings:
+    """A config of the public model's moves (``log-reader-em`` with ``move_evals``) at one volume, from the maps of
+    ``smollm2-digits`` (the same stream and key)."""
+    options = (("sample_tokens", sample), ("digit_rounds", 0), ("move_evals", evals), ("move_rounds", rounds),
+               ("move_occurrences", 6))
+    if keep_digits:
+        options += (("move_keep_digits", True), ("move_min_occurrences", 3))
+    if rank:
+        options += (("move_rank", rank),)
+    return Settings(volumes=(), references=(ref,), old_at=(), controls_at=(), em_at=(volume,),
+                    em_from="smollm2-digits", em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0,
+                    old_start_at=0, em_options=options)
+
+
 SUMMARY = "the log reader (sparse decipherer) from 10^3 to 10^6 observed tokens, with peak memory (an hour or more)"
 CONFIGS = {
     "smollm2": Settings(),
@@ -458,50 +473,26 @@ CONFIGS = {
     # the third key's maps (smollm2-seed2: its own stream of 10^4 tokens), the digits as a unit
     "smollm2-seed2-digits": Settings(volumes=(1_000, 10_000), old_at=(), controls_at=(), seed=2,
                                      digits_from=("smollm2-seed2",)),
-    # moves of one or two ids judged by the public model (``model_moves``) after the model has chosen the start,
-    # one volume per config (the model's reading is the time: run them one by one). Generic reference at 10^3:
-    # the starts of ``smollm2-em`` (the bigram search, decipher_stream); with both controls of the moves
-    "smollm2-moves-1e3-public": Settings(
-        volumes=(), references=("public",), old_at=(), controls_at=(), em_at=(1_000,), em_from="smollm2",
-        stream_tokens=1_000_000, em_rounds=0, moves_controls_at=(1_000,),
-        em_options=(("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2))),
-    # from the maps with the digits read as a unit (smollm2-digits), 10^4 and 10^5, each reference: the model
-    # reads a sample of 2,000 tokens, 20 moves judged per round on 6 occurrences of each id moved (2 shared cores)
-    **{f"smollm2-moves-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
-        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
-        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
-        em_options=(("sample_tokens", 2_000), ("digit_rounds", 0), ("move_evals", 20), ("move_rounds", 2),
-                    ("move_occurrences", 6)))
-       for v in (10_000, 100_000) for r in REFERENCES},
-    # the same with the digits kept where the reference put them (``move_keep_digits``: in random numbers the
-    # model's preferences among digits are its prior; ``smollm2-moves-1e5-public-domain`` moved digits and read
-    # less) and ids read at least 3 times; 10^3 with both controls of the moves
+    # moves of two and three ids judged by the public model (``model_moves``) after the model has chosen the start,
+    # one volume per config, run one by one in this order. First as built: the digits may move, from the maps with
+    # the digits read as a unit (smollm2-digits); a sample of 2,000 tokens, 20 moves judged per round on 6
+    # occurrences of each id moved (2 shared cores)
+    "smollm2-moves-1e5-public-domain": _moves(100_000, "public+domain", 2_000, 20, 2, keep_digits=False),
+    # the digits kept where the reference put them (``move_keep_digits``: in random numbers the model's preferences
+    # among digits are its prior; the config above moved digits and read less) and ids read at least 3 times
+    "smollm2-moves-kd-1e5-public-domain": _moves(100_000, "public+domain", 2_000, 20, 2),
+    # a larger sample and more moves; then the proposals ranked by the gain per occurrence of the ids moved
+    "smollm2-moves-kd6k-1e5-public-domain": _moves(100_000, "public+domain", 6_000, 40, 3),
+    "smollm2-moves-mean-1e5-public-domain": _moves(100_000, "public+domain", 6_000, 40, 3, rank="mean"),
+    # the generic reference: at 10^3 from the starts of ``smollm2-em`` (the bigram search, decipher_stream; the
+    # whole stream read), with both controls of the moves; at 10^4 and 10^5 from the maps of smollm2-digits
     "smollm2-moves-kd-1e3-public": Settings(
         volumes=(), references=("public",), old_at=(), controls_at=(), em_at=(1_000,), em_from="smollm2",
         stream_tokens=1_000_000, em_rounds=0, moves_controls_at=(1_000,),
         em_options=(("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2), ("move_keep_digits", True),
                     ("move_min_occurrences", 3))),
-    **{f"smollm2-moves-kd-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
-        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
-        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
-        em_options=(("sample_tokens", 2_000), ("digit_rounds", 0), ("move_evals", 20), ("move_rounds", 2),
-                    ("move_occurrences", 6), ("move_keep_digits", True), ("move_min_occurrences", 3)))
-       for v in (10_000, 100_000) for r in REFERENCES},
-    # a larger sample and more moves (6,000 tokens, 40 moves per round, 3 rounds)
-    **{f"smollm2-moves-kd6k-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
-        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
-        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
-        em_options=(("sample_tokens", 6_000), ("digit_rounds", 0), ("move_evals", 40), ("move_rounds", 3),
-                    ("move_occurrences", 6), ("move_keep_digits", True), ("move_min_occurrences", 3)))
-       for v in (10_000, 100_000) for r in REFERENCES},
-    # proposals ranked by the gain per occurrence (``move_rank`` "mean"), 6,000 tokens, 40 moves per round
-    **{f"smollm2-moves-mean-{'1e4' if v == 10_000 else '1e5'}-{r.replace('+', '-')}": Settings(
-        volumes=(), references=(r,), old_at=(), controls_at=(), em_at=(v,), em_from="smollm2-digits",
-        em_method="log-reader+digits", stream_tokens=1_000_000, em_rounds=0, old_start_at=0,
-        em_options=(("sample_tokens", 6_000), ("digit_rounds", 0), ("move_evals", 40), ("move_rounds", 3),
-                    ("move_occurrences", 6), ("move_keep_digits", True), ("move_min_occurrences", 3),
-                    ("move_rank", "mean")))
-       for v in (10_000, 100_000) for r in REFERENCES},
+    "smollm2-moves-kd-1e4-public": _moves(10_000, "public", 2_000, 20, 2),
+    "smollm2-moves-kd-1e5-public": _moves(100_000, "public", 2_000, 20, 2),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
 }
