@@ -151,3 +151,34 @@ def test_a_gguf_config_is_parsed_once_per_file(tmp_path, monkeypatch):
     source_config(tmp_path)  # a directory: never kept
     source_config(tmp_path)
     assert len(parsed) == 5
+
+
+def test_the_trained_attacks_start_from_their_seed_not_the_process_rng():
+    """SDA's decipherer and IMA's inversion model start from weights drawn from the attack's seed: whatever the
+    process's torch RNG holds (which attacks ran before, a fresh process's random state), one seed gives one
+    trained model; another seed gives another. And the process's RNG is left as it was."""
+    from aloepri.attacks.decipher import SDAConfig, build_training_set, train_decipherer
+    from aloepri.attacks.ima import IMAConfig, train_inversion_model
+
+    rng = np.random.default_rng(0)
+    prior = rng.integers(0, 64, size=3000)
+    cfg = SDAConfig(steps=3, batch=4, seq_len=16, max_rank=32, pool=16, episodes=2, prior_tokens=3000, width=16,
+                    depth=1)
+    train = build_training_set(prior, 200, [10, 20], cfg, 64, np.arange(16), seed=0)
+    icfg = IMAConfig(steps=3, batch=4, seq_len=8, negatives=16, width=16, depth=1)
+    views = [torch.randn(12, 8, 24, generator=torch.Generator().manual_seed(1))]
+    chunks = torch.randint(0, 64, (12, 8), generator=torch.Generator().manual_seed(2))
+    emb = torch.randn(64, 12, generator=torch.Generator().manual_seed(3))
+
+    def trained(process_seed: int, seed: int):
+        torch.manual_seed(process_seed)
+        sda, sda_loss = train_decipherer(train, cfg, 17, seed)
+        ima, ima_loss = train_inversion_model(views, chunks, emb, icfg, seed)
+        after = torch.rand(1)
+        torch.manual_seed(process_seed)
+        assert torch.equal(after, torch.rand(1))  # the process's RNG untouched
+        return [p.detach().clone() for p in [*sda.parameters(), *ima.parameters()]], (sda_loss, ima_loss)
+
+    a, b, c = trained(1, 5), trained(2, 5), trained(1, 6)
+    assert a[1] == b[1] and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert a[1][0] != c[1][0] and a[1][1] != c[1][1]  # negative: another seed, another model

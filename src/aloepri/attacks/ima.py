@@ -120,8 +120,10 @@ def train_inversion_model(views: list[torch.Tensor], chunks: torch.Tensor, plain
     plaintext embedding table (so tokens never seen in training are still reachable at test time)."""
     gen = torch.Generator().manual_seed(seed)
     target_emb = F.normalize(plain_emb.float(), dim=-1)
-    model = InversionModel(views[0].shape[-1], plain_emb.shape[1], cfg.width, cfg.depth,
-                           max_len=max(256, chunks.shape[1]))
+    with torch.random.fork_rng(devices=[]):  # the initial weights from the seed, not the process's torch RNG
+        torch.manual_seed(seed)
+        model = InversionModel(views[0].shape[-1], plain_emb.shape[1], cfg.width, cfg.depth,
+                               max_len=max(256, chunks.shape[1]))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     vocab = plain_emb.shape[0]
