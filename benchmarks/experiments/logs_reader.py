@@ -81,6 +81,9 @@ class Settings:
     # ``control/victim-text+moves`` (the bigram search with the traffic's own text as reference, then the moves)
     # and ``control/random-mapping+moves`` (a random 1:1 map, then the moves, with the generic reference)
     moves_controls_at: tuple[int, ...] = ()
+    # more starts for the model to choose among (``log-reader-em``, volumes up to ``old_start_at``): the earlier
+    # decipher_stream run again with these (seed, max_candidates)
+    old_restarts: tuple[tuple[int, int], ...] = ()
 
 
 def peak_rss_gib() -> float:
@@ -301,6 +304,10 @@ def _em_entry(s: Settings, store: ResultStore, ref_name: str, volume: int, obser
         seen = np.unique(flat)
         extra_starts = [("decipher_stream", {int(c): int(old.obf_to_plain[c]) for c in seen})]
         old_figures = {**score({}, old.obf_to_plain), "seconds": round(time.perf_counter() - t1, 1)}
+        for seed, cands in s.old_restarts:  # restarts of the earlier decipherer: more maps for the model to read
+            other = decipher_stream(observed, vocab, ref, pre, post, max_candidates=cands, seed=seed)
+            extra_starts.append((f"decipher_stream seed {seed}, {cands} candidates",
+                                 {int(c): int(other.obf_to_plain[c]) for c in seen}))
     digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
     options = {"digits": digits, **dict(s.em_options)}
     t2 = time.perf_counter()
@@ -318,6 +325,9 @@ def _em_entry(s: Settings, store: ResultStore, ref_name: str, volume: int, obser
     if old_figures:
         parts["decipher_stream"] = {**old_figures,
                                     "model_ll": next(e["model_ll"] for e in reads if "decipher_stream" in e["stage"])}
+    for e in reads:
+        if "decipher_stream seed" in e["stage"]:
+            parts[e["stage"].split(": ", 1)[1]] = part(e)
     parts["the model chooses the start"] = part(chosen)
     if s.em_rounds:
         parts["+ EM with the model"] = part(em[-1] if em else chosen)
@@ -492,6 +502,12 @@ CONFIGS = {
         em_options=(("digit_rounds", 0), ("move_evals", 30), ("move_rounds", 2), ("move_keep_digits", True),
                     ("move_min_occurrences", 3))),
     "smollm2-moves-kd-1e4-public": _moves(10_000, "public", 2_000, 20, 2),
+    # sampling with restarts at 10^3 with the generic reference: the earlier decipherer from four more seeds and
+    # at its registered 30,000 candidates, the model's likelihood choosing among all the maps (no other step)
+    "smollm2-em-restarts-1e3-public": Settings(
+        volumes=(), references=("public",), old_at=(), controls_at=(), em_at=(1_000,), em_from="smollm2",
+        stream_tokens=1_000_000, em_rounds=0, em_options=(("digit_rounds", 0),),
+        old_restarts=((1, 20_000), (2, 20_000), (3, 20_000), (4, 20_000), (0, 30_000))),
     "smollm2-moves-kd-1e5-public": _moves(100_000, "public", 2_000, 20, 2),
     "smoke": Settings(volumes=(300, 1_000), references=("public",), old_at=(300,), controls_at=(300,),
                       reference_tokens=50_000),
