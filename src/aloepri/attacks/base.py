@@ -435,3 +435,10 @@ def unprotected_target(plain_src: str | Path, vocab_size: int | None = None) -> 
     return t
 
 
+def built_from_seed(seed: int, build: Callable[[], Any]) -> Any:
+    """``build()`` with torch's global RNG seeded by ``seed`` for its duration and restored after: a trained
+    attack model's initial weights come from the attack's seed, not from the process's RNG state (the same seed
+    gave other figures on every run before)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()

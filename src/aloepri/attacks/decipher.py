@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import AttackResult, AttackTarget, Budget, PrivateData, has_tokenizer, register, score_predictions
+from .base import (AttackResult, AttackTarget, Budget, PrivateData, built_from_seed, has_tokenizer, register,
+                   score_predictions)
 
 
 def frequency_ranks(sequences: Sequence[Sequence[int]]) -> dict[int, int]:
@@ -138,9 +139,7 @@ def build_training_set(prior: np.ndarray, doc_tokens: int, doc_lengths: Sequence
 def train_decipherer(train: list, cfg: SDAConfig, n_out: int, seed: int) -> tuple[Decipherer, float]:
     gen = torch.Generator().manual_seed(seed)
     pad_rank = cfg.max_rank + 8
-    with torch.random.fork_rng(devices=[]):  # the initial weights from the seed, not the process's torch RNG
-        torch.manual_seed(seed)
-        model = Decipherer(pad_rank + 1, cfg.seq_len, n_out, cfg.width, cfg.depth)
+    model = built_from_seed(seed, lambda: Decipherer(pad_rank + 1, cfg.seq_len, n_out, cfg.width, cfg.depth))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     loss = torch.tensor(0.0)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..runtime.modules import ModelModules
 from ..runtime.probe import batched_states, layer_states
-from .base import (UNPROTECTED, AttackResult, AttackTarget, Budget, PrivateData, register_variant,
+from .base import (UNPROTECTED, AttackResult, AttackTarget, Budget, PrivateData, built_from_seed, register_variant,
                    score_attacked_prompts)
 
 
@@ -120,10 +120,8 @@ def train_inversion_model(views: list[torch.Tensor], chunks: torch.Tensor, plain
     plaintext embedding table (so tokens never seen in training are still reachable at test time)."""
     gen = torch.Generator().manual_seed(seed)
     target_emb = F.normalize(plain_emb.float(), dim=-1)
-    with torch.random.fork_rng(devices=[]):  # the initial weights from the seed, not the process's torch RNG
-        torch.manual_seed(seed)
-        model = InversionModel(views[0].shape[-1], plain_emb.shape[1], cfg.width, cfg.depth,
-                               max_len=max(256, chunks.shape[1]))
+    model = built_from_seed(seed, lambda: InversionModel(views[0].shape[-1], plain_emb.shape[1], cfg.width, cfg.depth,
+                                                         max_len=max(256, chunks.shape[1])))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     vocab = plain_emb.shape[0]
