@@ -124,10 +124,7 @@ class PlainReference:
                 torch.save(logits, self._spill / f"logits-{i}.pt")
                 self._logits.append(None)
             del logits
-            self.greedy.append(plain_model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=greedy_tokens, do_sample=False,
-                eos_token_id=self.eos, pad_token_id=(self.eos or [0])[0])[0, x.shape[1]:].tolist()
-                if greedy_tokens else None)
+            self.greedy.append(greedy_continuation(plain_model, x, greedy_tokens, self.eos) if greedy_tokens else None)
             if progress is not None:
                 progress.advance()
 
@@ -137,6 +134,14 @@ class PlainReference:
         if self._spill is None:
             return self._logits[i].to(device)
         return torch.load(self._spill / f"logits-{i}.pt", weights_only=True).to(device)
+
+
+def greedy_continuation(model, x: torch.Tensor, tokens: int, eos) -> list[int]:
+    """The new tokens of ``model``'s greedy continuation of the one sequence ``x`` (1, L), stopping after an EOS
+    (padded after it with the first EOS, as transformers pads)."""
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=(eos or [0])[0])
+    return out[0, x.shape[1]:].tolist()
 
 
 class ModelPair:
@@ -177,9 +182,8 @@ class ModelPair:
         greedy_tokens, eos = self.reference.greedy_tokens, self.reference.eos
         if greedy_tokens:
             eo = self.encode(eos) if eos else None
-            go = self.obf.generate(xo, attention_mask=torch.ones_like(xo), max_new_tokens=greedy_tokens,
-                                   do_sample=False, eos_token_id=eo, pad_token_id=(eo or [0])[0])[0, xo.shape[1]:]
-            rec["greedy_same"] = int(self.decode(go.tolist()) == self.reference.greedy[i])
+            go = greedy_continuation(self.obf, xo, greedy_tokens, eo)
+            rec["greedy_same"] = int(self.decode(go) == self.reference.greedy[i])
         return rec
 
 
